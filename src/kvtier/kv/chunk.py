@@ -1,0 +1,53 @@
+"""The chunk handle that moves between tiers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.kv.keys import ChunkKey
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Names one sealed chunk: its key and the token ids it holds.
+
+    The token ids travel with the key so that every tier can compare them on a hit: a
+    key collision then reads as a miss, never as wrong KV.
+    """
+
+    key: ChunkKey
+    token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, key: ChunkKey, token_ids: object) -> ChunkRef:
+        return cls(key, tuple(int(t) for t in np.asarray(token_ids, dtype=np.int64).ravel()))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def token_bytes(self) -> bytes:
+        """Token ids as little-endian int64 bytes (the on-disk and on-wire form)."""
+        return np.asarray(self.token_ids, dtype="<i8").tobytes()
+
+    def short(self) -> str:
+        return self.key.hex()[:12]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A sealed chunk: its reference plus a buffer ``[L, 2, H, T, D]``.
+
+    ``data`` is a view owned by whoever created the handle (a tier slot, a staging buffer);
+    a tier's ``put`` copies from it and never keeps it.
+    """
+
+    ref: ChunkRef
+    data: torch.Tensor
+
+    @property
+    def key(self) -> ChunkKey:
+        return self.ref.key

@@ -1,0 +1,7 @@
+"""Pluggable policies: eviction (and later the cost model)."""
+
+from __future__ import annotations
+
+from kvtier.policy.eviction import EVICTION_POLICIES, EvictionPolicy, LRUPolicy, make_policy
+
+__all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "make_policy"]

@@ -1,0 +1,16 @@
+"""Tiers: device, host and disk behind one interface (``Tier``)."""
+
+from __future__ import annotations
+
+from kvtier.tiers.base import PutResult, Tier, TierFullError, TierStats
+from kvtier.tiers.pool import PoolTier, device_tier, host_tier
+
+__all__ = [
+    "PoolTier",
+    "PutResult",
+    "Tier",
+    "TierFullError",
+    "TierStats",
+    "device_tier",
+    "host_tier",
+]

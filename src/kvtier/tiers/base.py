@@ -1,0 +1,338 @@
+"""The one interface every tier implements, and the shared bookkeeping behind it.
+
+A tier stores sealed chunks of one ``KVLayout`` in fixed-size slots, up to a byte budget.
+Chunks are addressed by ``ChunkRef`` (key + token ids); a hit compares the token ids, so a
+key collision reads as a miss (counted in ``stats.collisions``), never as wrong KV.
+
+Thread-safety: every public method of ``Tier`` is thread-safe. The index, the eviction
+policy, the pins and the stats are guarded by one lock per tier; the data copies of
+``put`` and ``get_into`` run outside it on slots that are reserved (put) or pinned (get),
+so several threads can move data through one tier at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.kv.keys import ChunkKey
+from kvtier.kv.layout import KVLayout
+from kvtier.policy.eviction import EvictionPolicy, make_policy
+
+
+class TierFullError(RuntimeError):
+    """Raised by ``put`` when no slot can be freed because every chunk is pinned."""
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier. Read them through ``Tier.stats()`` (a consistent copy)."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    duplicate_puts: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0
+    collisions: int = 0
+    corrupt_dropped: int = 0
+    put_seconds: float = 0.0
+    get_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(asdict(self))
+
+    @property
+    def put_gbps(self) -> float:
+        return self.bytes_in / self.put_seconds / 1e9 if self.put_seconds else 0.0
+
+    @property
+    def get_gbps(self) -> float:
+        return self.bytes_out / self.get_seconds / 1e9 if self.get_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What a ``put`` did: keys newly stored, keys already present, chunks evicted."""
+
+    stored: list[ChunkKey] = field(default_factory=list)
+    already_present: list[ChunkKey] = field(default_factory=list)
+    evicted: list[ChunkRef] = field(default_factory=list)
+
+
+EvictHook = Callable[[Chunk], None]
+"""Called with a victim (its data readable for the duration of the call) before its slot
+is freed; the manager uses it to write back to the next tier. Runs under the tier lock."""
+
+
+@dataclass
+class _Entry:
+    ref: ChunkRef
+    slot: int
+    pins: int = 0
+    ready: bool = True  # False while a put is still copying into the slot
+
+
+class Tier(ABC):
+    """A store of sealed chunks in fixed-size slots with a byte budget.
+
+    Subclasses provide slot storage (``_write_slot``, ``_read_slot``, ``_free_slot``,
+    ``_alloc_slot``, ``_victim_data``); this class provides the index, token-id checks,
+    pins, eviction and stats, identically for every tier.
+
+    Args:
+        name: short tier name for stats and reports ("device", "host", "disk").
+        layout: the KV layout of every chunk stored.
+        capacity_bytes: the byte budget; the tier never holds more than
+            ``capacity_bytes // layout.chunk_nbytes`` chunks.
+        eviction_policy: registry name of the eviction policy.
+    """
+
+    def __init__(
+        self, name: str, layout: KVLayout, capacity_bytes: int, eviction_policy: str = "lru"
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"{name}.capacity_bytes: must be >= 0, got {capacity_bytes}")
+        self.name = name
+        self.layout = layout
+        self.capacity_bytes = int(capacity_bytes)
+        self.num_slots = self.capacity_bytes // layout.chunk_nbytes
+        self._policy: EvictionPolicy = make_policy(eviction_policy)
+        self._entries: dict[ChunkKey, _Entry] = {}
+        self._lock = threading.RLock()
+        self._stats = TierStats()
+        self._on_evict: EvictHook | None = None
+
+    # ---- slot storage, provided by subclasses -------------------------------------------
+
+    @abstractmethod
+    def _alloc_slot(self) -> int | None:
+        """A free slot index, or None when all are taken. Called under the lock."""
+
+    @abstractmethod
+    def _free_slot(self, slot: int) -> None:
+        """Return a slot to the free list. Called under the lock."""
+
+    @abstractmethod
+    def _write_slot(self, slot: int, chunk: Chunk) -> None:
+        """Copy ``chunk`` into a reserved slot. Called without the lock."""
+
+    @abstractmethod
+    def _read_slot(self, slot: int, ref: ChunkRef, out: torch.Tensor) -> bool:
+        """Copy a pinned slot into ``out``; False if the stored bytes are found corrupt.
+
+        Called without the lock.
+        """
+
+    @abstractmethod
+    def _victim_data(self, slot: int) -> torch.Tensor:
+        """The data of a slot about to be evicted, readable during the evict hook."""
+
+    def _forget_slot(self, slot: int) -> None:
+        """Hook for durable tiers to mark a slot invalid before it is reused."""
+
+    # ---- public API ---------------------------------------------------------------------
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return self.layout.chunk_nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held, counting slots reserved by puts still in progress."""
+        with self._lock:
+            return len(self._entries) * self.chunk_nbytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.ready)
+
+    def set_evict_hook(self, hook: EvictHook | None) -> None:
+        """Install the callback that sees each victim before its slot is freed."""
+        self._on_evict = hook
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(**asdict(self._stats))
+
+    def refs(self) -> list[ChunkRef]:
+        """Every chunk held (a snapshot)."""
+        with self._lock:
+            return [e.ref for e in self._entries.values() if e.ready]
+
+    def contains(self, ref: ChunkRef) -> bool:
+        """True if the chunk is held with exactly these token ids. Does not count as use."""
+        with self._lock:
+            entry = self._entries.get(ref.key)
+            return entry is not None and entry.ready and entry.ref.token_ids == ref.token_ids
+
+    def pin(self, refs: Iterable[ChunkRef]) -> list[bool]:
+        """Pin chunks so eviction skips them; False for each chunk not held. Pins nest."""
+        out = []
+        with self._lock:
+            for ref in refs:
+                entry = self._match(ref)
+                if entry is not None:
+                    entry.pins += 1
+                out.append(entry is not None)
+        return out
+
+    def unpin(self, refs: Iterable[ChunkRef]) -> None:
+        """Undo one ``pin`` per chunk. Unpinning a chunk that is not pinned is an error."""
+        with self._lock:
+            for ref in refs:
+                entry = self._entries.get(ref.key)
+                if entry is None or entry.pins == 0:
+                    raise RuntimeError(f"{self.name}: unpin of chunk {ref.short()} not pinned")
+                entry.pins -= 1
+
+    def is_pinned(self, key: ChunkKey) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry.pins > 0
+
+    def put(self, chunks: Sequence[Chunk]) -> PutResult:
+        """Copy sealed chunks in, evicting unpinned chunks (policy order) to make room.
+
+        The caller keeps ownership of every ``chunk.data``. Chunks already held are left as
+        they are (sealed chunks never change). Blocks for the copies.
+
+        Raises:
+            TierFullError: a slot is needed and every held chunk is pinned (the chunks
+                before the failing one are stored).
+        """
+        result = PutResult()
+        for chunk in chunks:
+            slot = self._reserve(chunk.ref, result)
+            if slot is None:
+                continue
+            start = time.perf_counter()
+            try:
+                self._write_slot(slot, chunk)
+            except BaseException:
+                with self._lock:
+                    self._drop(chunk.key)
+                raise
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                entry = self._entries.get(chunk.key)
+                if entry is not None and entry.slot == slot:
+                    entry.ready = True
+                    self._policy.insert(chunk.key)
+                self._stats.puts += 1
+                self._stats.bytes_in += self.chunk_nbytes
+                self._stats.put_seconds += elapsed
+            result.stored.append(chunk.key)
+        return result
+
+    def get_into(self, refs: Sequence[ChunkRef], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy held chunks into caller-owned buffers; a miss leaves its buffer untouched.
+
+        A hit counts as a use for eviction. A chunk found corrupt is dropped and counted,
+        and reads as a miss. Blocks for the copies.
+        """
+        if len(refs) != len(outs):
+            raise ValueError(f"get_into: {len(refs)} refs but {len(outs)} output buffers")
+        found = []
+        for ref, out in zip(refs, outs, strict=True):
+            with self._lock:
+                entry = self._match(ref)
+                if entry is None:
+                    self._stats.misses += 1
+                    found.append(False)
+                    continue
+                entry.pins += 1
+                self._policy.touch(ref.key)
+            start = time.perf_counter()
+            try:
+                ok = self._read_slot(entry.slot, ref, out)
+            finally:
+                with self._lock:
+                    entry.pins -= 1
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                if ok:
+                    self._stats.hits += 1
+                    self._stats.bytes_out += self.chunk_nbytes
+                    self._stats.get_seconds += elapsed
+                else:
+                    self._stats.corrupt_dropped += 1
+                    self._stats.misses += 1
+                    if entry.pins == 0 and self._entries.get(ref.key) is entry:
+                        self._drop(ref.key)
+            found.append(ok)
+        return found
+
+    def remove(self, refs: Iterable[ChunkRef]) -> int:
+        """Drop unpinned chunks; returns how many were dropped (pinned ones stay)."""
+        dropped = 0
+        with self._lock:
+            for ref in refs:
+                entry = self._match(ref)
+                if entry is not None and entry.pins == 0:
+                    self._drop(ref.key)
+                    dropped += 1
+        return dropped
+
+    def clear(self) -> None:
+        """Drop every unpinned chunk (no evict hook: nothing is written back)."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e.ready and e.pins == 0]:
+                self._drop(key)
+
+    def close(self) -> None:
+        """Release resources; the tier must not be used afterwards."""
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _match(self, ref: ChunkRef) -> _Entry | None:
+        """The ready entry for ``ref`` if its token ids match (lock held)."""
+        entry = self._entries.get(ref.key)
+        if entry is None or not entry.ready:
+            return None
+        if entry.ref.token_ids != ref.token_ids:
+            self._stats.collisions += 1
+            return None
+        return entry
+
+    def _reserve(self, ref: ChunkRef, result: PutResult) -> int | None:
+        """Reserve a slot for ``ref`` (evicting if needed); None if it is already held."""
+        with self._lock:
+            existing = self._entries.get(ref.key)
+            if existing is not None:
+                if existing.ref.token_ids != ref.token_ids:
+                    # A colliding key: keep the first chunk; the newcomer is not stored.
+                    self._stats.collisions += 1
+                self._stats.duplicate_puts += 1
+                result.already_present.append(ref.key)
+                return None
+            slot = self._alloc_slot()
+            while slot is None:
+                victims = self._policy.victims(1, lambda k: self._entries[k].pins > 0)
+                if not victims:
+                    raise TierFullError(
+                        f"{self.name}: all {self.num_slots} slots are pinned or in use; "
+                        f"unpin chunks or raise the {self.name} capacity"
+                    )
+                victim = self._entries[victims[0]]  # type: ignore[index]
+                if self._on_evict is not None:
+                    self._on_evict(Chunk(victim.ref, self._victim_data(victim.slot)))
+                self._drop(victim.ref.key)
+                self._stats.evictions += 1
+                result.evicted.append(victim.ref)
+                slot = self._alloc_slot()
+            self._entries[ref.key] = _Entry(ref=ref, slot=slot, ready=False)
+            return slot
+
+    def _drop(self, key: ChunkKey) -> None:
+        entry = self._entries.pop(key)
+        self._policy.remove(key)
+        self._forget_slot(entry.slot)
+        self._free_slot(entry.slot)

@@ -1,0 +1,104 @@
+"""Memory tiers: a pre-allocated, pre-faulted pool of chunk-sized slots.
+
+The same class backs the device tier (GPU memory on CUDA, a RAM budget on a CPU-only
+machine) and the host tier (DRAM, pinned when CUDA is available). The pool is allocated
+once and touched at start, because first touch of fresh memory is far slower than a copy
+into touched memory (0.41 vs 5 GB/s measured here, DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.kv.layout import KVLayout
+from kvtier.tiers.base import Tier
+
+
+class PoolTier(Tier):
+    """A tier whose slots are rows of one tensor ``[num_slots, L, 2, H, T, D]``.
+
+    Args:
+        name: tier name ("device" or "host").
+        layout: chunk layout.
+        capacity_bytes: byte budget; the pool holds ``capacity_bytes // chunk_nbytes`` slots.
+        device: where the pool lives.
+        pin_memory: page-lock a CPU pool (fast, async copies to CUDA).
+        eviction_policy: registry name of the eviction policy.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layout: KVLayout,
+        capacity_bytes: int,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+        eviction_policy: str = "lru",
+    ) -> None:
+        super().__init__(name, layout, capacity_bytes, eviction_policy)
+        self.device = torch.device(device)
+        shape = (self.num_slots, *layout.chunk_shape)
+        self.pool = torch.empty(
+            shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory
+        )
+        self.pool.zero_()  # pre-fault every page now, not on the first put
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+
+    def _alloc_slot(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def _free_slot(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def _write_slot(self, slot: int, chunk: Chunk) -> None:
+        self.pool[slot].copy_(chunk.data, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda" or chunk.data.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    def _read_slot(self, slot: int, ref: ChunkRef, out: torch.Tensor) -> bool:
+        out.copy_(self.pool[slot])
+        return True
+
+    def _victim_data(self, slot: int) -> torch.Tensor:
+        return self.pool[slot]
+
+    def view(self, ref: ChunkRef) -> torch.Tensor | None:
+        """The slot of a held chunk, without a copy; None if not held.
+
+        The view is valid only while the caller holds a pin on the chunk (``pin``/``unpin``);
+        it must not be written to.
+        """
+        with self._lock:
+            entry = self._match(ref)
+            if entry is None:
+                return None
+            self._policy.touch(ref.key)
+            return self.pool[entry.slot]
+
+
+def device_tier(
+    layout: KVLayout,
+    budget_bytes: int,
+    device: torch.device | str | None = None,
+    eviction_policy: str = "lru",
+) -> PoolTier:
+    """The device tier: GPU memory on CUDA, otherwise a RAM budget on the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return PoolTier("device", layout, budget_bytes, device, eviction_policy=eviction_policy)
+
+
+def host_tier(
+    layout: KVLayout,
+    capacity_bytes: int,
+    pin_memory: bool | None = None,
+    eviction_policy: str = "lru",
+) -> PoolTier:
+    """The host tier: a DRAM pool, page-locked when CUDA is available (unless told)."""
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    return PoolTier(
+        "host", layout, capacity_bytes, "cpu", pin_memory=pin_memory,
+        eviction_policy=eviction_policy,
+    )
