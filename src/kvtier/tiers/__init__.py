@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from kvtier.tiers.base import PutResult, Tier, TierFullError, TierStats
+from kvtier.tiers.disk import DiskFullError, DiskTier
 from kvtier.tiers.pool import PoolTier, device_tier, host_tier
 
 __all__ = [
+    "DiskFullError",
+    "DiskTier",
     "PoolTier",
     "PutResult",
     "Tier",

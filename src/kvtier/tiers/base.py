@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -137,6 +137,7 @@ class Tier(ABC):
 
     def _forget_slot(self, slot: int) -> None:
         """Hook for durable tiers to mark a slot invalid before it is reused."""
+        return None
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -289,6 +290,7 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources; the tier must not be used afterwards."""
+        return None
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -315,7 +317,7 @@ class Tier(ABC):
                 return None
             slot = self._alloc_slot()
             while slot is None:
-                victims = self._policy.victims(1, lambda k: self._entries[k].pins > 0)
+                victims = self._policy.victims(1, self._key_pinned)
                 if not victims:
                     raise TierFullError(
                         f"{self.name}: all {self.num_slots} slots are pinned or in use; "
@@ -330,6 +332,9 @@ class Tier(ABC):
                 slot = self._alloc_slot()
             self._entries[ref.key] = _Entry(ref=ref, slot=slot, ready=False)
             return slot
+
+    def _key_pinned(self, key: Hashable) -> bool:
+        return self._entries[key].pins > 0  # type: ignore[index]
 
     def _drop(self, key: ChunkKey) -> None:
         entry = self._entries.pop(key)

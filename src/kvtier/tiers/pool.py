@@ -16,7 +16,12 @@ from kvtier.tiers.base import Tier
 
 
 class PoolTier(Tier):
-    """A tier whose slots are rows of one tensor ``[num_slots, L, 2, H, T, D]``.
+    """A tier whose slots live in one pre-allocated tensor.
+
+    Slot-major pools (``[num_slots, L, 2, H, T, D]``, the host) keep each chunk contiguous for
+    whole-chunk I/O. Layer-major pools (``[L, 2, num_slots, H, T, D]``, the device) keep each
+    layer's keys of *all* slots contiguous, so attention reads one layer of every resident
+    chunk as one ``[S, H, T, D]`` tensor (``layer_kv``) without gathering.
 
     Args:
         name: tier name ("device" or "host").
@@ -25,6 +30,7 @@ class PoolTier(Tier):
         device: where the pool lives.
         pin_memory: page-lock a CPU pool (fast, async copies to CUDA).
         eviction_policy: registry name of the eviction policy.
+        layer_major: lay the pool out ``[L, 2, S, H, T, D]`` instead of ``[S, L, 2, H, T, D]``.
     """
 
     def __init__(
@@ -35,10 +41,17 @@ class PoolTier(Tier):
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
         eviction_policy: str = "lru",
+        layer_major: bool = False,
     ) -> None:
         super().__init__(name, layout, capacity_bytes, eviction_policy)
         self.device = torch.device(device)
-        shape = (self.num_slots, *layout.chunk_shape)
+        self.layer_major = layer_major
+        num_layers, two, heads, tokens, dim = layout.chunk_shape
+        shape = (
+            (num_layers, two, self.num_slots, heads, tokens, dim)
+            if layer_major
+            else (self.num_slots, num_layers, two, heads, tokens, dim)
+        )
         self.pool = torch.empty(
             shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory
         )
@@ -51,17 +64,36 @@ class PoolTier(Tier):
     def _free_slot(self, slot: int) -> None:
         self._free.append(slot)
 
+    def slot_data(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as a chunk-shaped view ``[L, 2, H, T, D]`` (strided if layer-major)."""
+        return self.pool[:, :, slot] if self.layer_major else self.pool[slot]
+
     def _write_slot(self, slot: int, chunk: Chunk) -> None:
-        self.pool[slot].copy_(chunk.data, non_blocking=self.device.type == "cuda")
+        self.slot_data(slot).copy_(chunk.data, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda" or chunk.data.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
     def _read_slot(self, slot: int, ref: ChunkRef, out: torch.Tensor) -> bool:
-        out.copy_(self.pool[slot])
+        out.copy_(self.slot_data(slot))
         return True
 
     def _victim_data(self, slot: int) -> torch.Tensor:
-        return self.pool[slot]
+        return self.slot_data(slot)
+
+    def slot_of(self, ref: ChunkRef) -> int | None:
+        """The slot index of a held chunk (None if not held); stable while it is pinned."""
+        with self._lock:
+            entry = self._match(ref)
+            return None if entry is None else entry.slot
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer for every slot, ``[S, H, T, D]`` each (layer-major).
+
+        Views into the pool: valid for the slots the caller has pinned.
+        """
+        if not self.layer_major:
+            raise ValueError(f"{self.name}: layer_kv needs a layer-major pool")
+        return self.pool[layer_idx, 0], self.pool[layer_idx, 1]
 
     def view(self, ref: ChunkRef) -> torch.Tensor | None:
         """The slot of a held chunk, without a copy; None if not held.
@@ -74,7 +106,7 @@ class PoolTier(Tier):
             if entry is None:
                 return None
             self._policy.touch(ref.key)
-            return self.pool[entry.slot]
+            return self.slot_data(entry.slot)
 
 
 def device_tier(
@@ -83,10 +115,15 @@ def device_tier(
     device: torch.device | str | None = None,
     eviction_policy: str = "lru",
 ) -> PoolTier:
-    """The device tier: GPU memory on CUDA, otherwise a RAM budget on the CPU."""
+    """The device tier: GPU memory on CUDA, otherwise a RAM budget on the CPU.
+
+    Layer-major, so that attention reads one layer of every resident chunk in one piece.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return PoolTier("device", layout, budget_bytes, device, eviction_policy=eviction_policy)
+    return PoolTier(
+        "device", layout, budget_bytes, device, eviction_policy=eviction_policy, layer_major=True
+    )
 
 
 def host_tier(
@@ -99,6 +136,10 @@ def host_tier(
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return PoolTier(
-        "host", layout, capacity_bytes, "cpu", pin_memory=pin_memory,
+        "host",
+        layout,
+        capacity_bytes,
+        "cpu",
+        pin_memory=pin_memory,
         eviction_policy=eviction_policy,
     )

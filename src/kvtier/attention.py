@@ -1,0 +1,396 @@
+"""Attention over a list of KV segments, merged exactly with their log-sum-exp.
+
+A layer's KV for a batch is a list of segments (resident chunks, streamed chunks, host-side
+chunks, the tail). Each segment is attended to on its own, giving an output normalised
+within the segment and the log-sum-exp of its scores; the partial results are merged
+exactly (the flash-decoding merge)::
+
+    m = max_i lse_i;  w_i = exp(lse_i - m);  out = sum_i w_i out_i / sum_i w_i;
+    lse = m + log(sum_i w_i)
+
+so no step concatenates the whole cache, and a host-side segment is computed on the CPU
+where it lies: the query travels to the host and only ``out`` and ``lse`` come back.
+
+Masking model: a key at absolute position ``k`` is visible to a query at position ``q`` iff
+``k <= q`` (causal, when query positions are given), its segment's ``valid_mask`` is True
+(False marks padding) and an optional extra mask allows it. A query row that sees no key of a
+segment gets ``lse = -inf`` and ``out = 0`` and drops out of the merge without NaN.
+
+Numerics: scores, softmax and the weighted sum run in float32 (bf16/fp16 inputs are
+upcast); partial results stay float32; ``segmented_attention`` returns the query dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+HOST = torch.device("cpu")
+
+
+class SegmentResult(NamedTuple):
+    """Attention of a query over one segment (or a merge of several).
+
+    Attributes:
+        out: ``[B, Hq, Sq, D]`` float32, normalised within the segment; 0 where ``lse`` is
+            ``-inf``.
+        lse: ``[B, Hq, Sq]`` float32 log-sum-exp of the scaled, masked scores; ``-inf`` for
+            rows that saw no key.
+    """
+
+    out: Tensor
+    lse: Tensor
+
+
+@dataclass(frozen=True)
+class KVSegment:
+    """A contiguous range of one layer's cached KV for every sequence in the batch.
+
+    Attributes:
+        key: ``[B, Hkv, Sk, D]``.
+        value: ``[B, Hkv, Sk, D]``.
+        start_pos: absolute position (cache slot) of the segment's first token; token ``j``
+            sits at ``start_pos + j``.
+        valid_mask: optional ``[B, Sk]`` bool, False for padding slots.
+        on_host: True if the segment stays in host memory and is attended to there (the query
+            is shipped to the host); False if it is attended to on the query's device (it is
+            copied there first if it is elsewhere).
+    """
+
+    key: Tensor
+    value: Tensor
+    start_pos: int = 0
+    valid_mask: Tensor | None = None
+    on_host: bool = False
+
+    def __post_init__(self) -> None:
+        if self.key.dim() != 4 or self.key.shape != self.value.shape:
+            raise ValueError(
+                f"key/value: must both be [B, Hkv, Sk, D], got {tuple(self.key.shape)} and "
+                f"{tuple(self.value.shape)}"
+            )
+        if self.start_pos < 0:
+            raise ValueError(f"start_pos: must be >= 0, got {self.start_pos}")
+        if self.valid_mask is not None and self.valid_mask.shape != (
+            self.key.shape[0],
+            self.key.shape[2],
+        ):
+            raise ValueError(
+                f"valid_mask: must be [B, Sk] = {(self.key.shape[0], self.key.shape[2])}, "
+                f"got {tuple(self.valid_mask.shape)}"
+            )
+        if self.on_host and self.key.device.type != "cpu":
+            raise ValueError(f"on_host: the segment lies on {self.key.device}, not on the host")
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens (cache slots) in the segment."""
+        return int(self.key.shape[2])
+
+    @property
+    def end_pos(self) -> int:
+        """One past the absolute position of the segment's last token."""
+        return self.start_pos + self.num_tokens
+
+
+def empty_result(query: Tensor) -> SegmentResult:
+    """The result of attending to nothing: ``out = 0``, ``lse = -inf`` (the merge identity)."""
+    b, hq, sq, d = query.shape
+    out = torch.zeros(b, hq, sq, d, dtype=torch.float32, device=query.device)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float32, device=query.device)
+    return SegmentResult(out, lse)
+
+
+def attend_segment(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    scale: float,
+    *,
+    query_positions: Tensor | int | None = None,
+    key_start: int = 0,
+    valid_mask: Tensor | None = None,
+    mask: Tensor | None = None,
+) -> SegmentResult:
+    """Attention of ``query`` over one KV segment, with its log-sum-exp.
+
+    Grouped-query attention is computed without repeating K/V: the query heads that share a
+    KV head are folded into the query length (``[B, Hkv, G*Sq, D]``).
+
+    Args:
+        query: ``[B, Hq, Sq, D]``, ``Hq = Hkv * G``.
+        key: ``[B, Hkv, Sk, D]``, on the same device as ``query``.
+        value: ``[B, Hkv, Sk, D]``.
+        scale: multiplier of the scores (usually ``D ** -0.5``).
+        query_positions: absolute positions of the queries for the causal rule
+            ``key_pos <= query_pos``: an int ``q0`` (positions ``q0 .. q0+Sq-1`` for every
+            row), a ``[Sq]`` or ``[B, Sq]`` tensor, or None for no causal rule.
+        key_start: absolute position of the segment's first key.
+        valid_mask: optional ``[B, Sk]`` bool, False for padding keys.
+        mask: optional extra mask broadcastable to ``[B, Hq, Sq, Sk]``: bool (True = attend)
+            or additive float.
+
+    Returns:
+        ``SegmentResult(out [B, Hq, Sq, D] float32, lse [B, Hq, Sq] float32)``.
+    """
+    b, hq, sq, d = query.shape
+    hkv, sk = key.shape[1], key.shape[2]
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    groups = hq // hkv
+    if sk == 0 or _entirely_future(query_positions, sq, key_start):
+        return empty_result(query)
+
+    # [B, Hq, Sq, D] -> [B, Hkv, G*Sq, D]: the G query heads of a KV head share its K/V.
+    q = query.to(torch.float32).reshape(b, hkv, groups * sq, d) * scale
+    k = key.to(torch.float32)
+    v = value.to(torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, G*Sq, Sk]
+    grouped = scores.view(b, hkv, groups, sq, sk)  # a view: masks broadcast over G
+
+    allowed = _visibility(query_positions, sq, key_start, sk, valid_mask, query.device)
+    if allowed is not None:
+        grouped.masked_fill_(~allowed, -math.inf)
+    if mask is not None:
+        extra = _grouped_mask(mask, hkv, groups)
+        if extra.dtype == torch.bool:
+            grouped.masked_fill_(~extra, -math.inf)
+        else:
+            grouped.add_(extra.to(torch.float32))
+
+    row_max = scores.amax(dim=-1, keepdim=True)  # [B, Hkv, G*Sq, 1]; -inf if fully masked
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = scores.sub_(row_max).exp_()  # masked scores become exp(-inf) = 0
+    denom = probs.sum(dim=-1, keepdim=True)  # [B, Hkv, G*Sq, 1]
+    out = torch.matmul(probs, v)  # [B, Hkv, G*Sq, D]
+    out.div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
+    lse = (row_max + denom.log()).squeeze(-1)  # log(0) = -inf for fully masked rows
+    return SegmentResult(out.view(b, hq, sq, d), lse.view(b, hq, sq))
+
+
+def merge(results: Sequence[SegmentResult]) -> SegmentResult:
+    """Merge partial attention results exactly (flash-decoding merge).
+
+    Rows whose ``lse`` is ``-inf`` in every input stay ``out = 0``, ``lse = -inf``.
+
+    Args:
+        results: partial results over disjoint key sets, same shapes and device.
+
+    Returns:
+        The result of attending to the union of the key sets (float32).
+    """
+    if not results:
+        raise ValueError("results: merge needs at least one SegmentResult")
+    if len(results) == 1:
+        return results[0]
+    lses = torch.stack([r.lse for r in results])  # [N, B, Hq, Sq]
+    top = lses.amax(dim=0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lses - top)  # [N, B, Hq, Sq]; 0 for -inf rows
+    total = weights.sum(dim=0)
+    out = torch.zeros_like(results[0].out)
+    for weight, result in zip(weights, results, strict=True):
+        out.addcmul_(result.out, weight.unsqueeze(-1))
+    out.div_(torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1))
+    return SegmentResult(out, top + total.log())
+
+
+def segmented_attention(
+    query: Tensor,
+    segments: Sequence[KVSegment],
+    scale: float,
+    *,
+    query_positions: Tensor | int | None = None,
+    causal: bool = True,
+    mask: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of ``query`` over the union of ``segments``, merged exactly.
+
+    Host segments share one copy of the query, shipped before the device segments are queued,
+    so on a CUDA device those kernels run while the CPU works on the host segments; host
+    results are merged on the host and one ``(out, lse)`` pair travels back.
+
+    Args:
+        query: ``[B, Hq, Sq, D]`` (after RoPE).
+        segments: the layer's KV, in any order; positions must not overlap.
+        scale: multiplier of the scores (usually ``D ** -0.5``).
+        query_positions: absolute positions of the queries (int start, ``[Sq]`` or
+            ``[B, Sq]``); default: the last ``Sq`` positions, ending at the largest
+            ``end_pos`` of the segments (the new tokens are the newest in the cache).
+        causal: apply ``key_pos <= query_pos``; False lets every query see every valid key.
+        mask: optional extra mask broadcastable to ``[B, Hq, Sq, P]`` whose column ``p`` is
+            absolute position ``p`` (e.g. the 4D mask transformers builds over the cache);
+            bool (True = attend) or additive float. Each segment reads its columns.
+        return_lse: also return the merged ``lse [B, Hq, Sq]`` (float32).
+
+    Returns:
+        ``out [B, Hq, Sq, D]`` in the query dtype, or ``(out, lse)`` if ``return_lse``.
+    """
+    positions: Tensor | int | None = None
+    if causal:
+        if query_positions is None:
+            newest = max((s.end_pos for s in segments), default=query.shape[2])
+            query_positions = newest - query.shape[2]
+        positions = query_positions
+
+    hosted = [s for s in segments if s.on_host]
+    if hosted:
+        # Ship the query (and positions, mask) once, before the device work is queued: on CUDA
+        # the copy then waits only for the query, and the device segments' kernels run while
+        # the CPU attends to the host segments.
+        host_query = query.to(HOST)
+        host_positions = positions.to(HOST) if isinstance(positions, Tensor) else positions
+        host_mask = mask.to(HOST) if mask is not None else None
+    partial = [
+        _attend(query, s, scale, positions, mask, query.device) for s in segments if not s.on_host
+    ]
+    if hosted:
+        # Host results are merged on the host, so one (out, lse) pair travels back.
+        host = merge(
+            [_attend(host_query, s, scale, host_positions, host_mask, HOST) for s in hosted]
+        )
+        partial.append(
+            SegmentResult(
+                host.out.to(query.device, non_blocking=True),
+                host.lse.to(query.device, non_blocking=True),
+            )
+        )
+    result = merge(partial) if partial else empty_result(query)
+    out = result.out.to(query.dtype)
+    return (out, result.lse) if return_lse else out
+
+
+def _attend(
+    query: Tensor,
+    segment: KVSegment,
+    scale: float,
+    positions: Tensor | int | None,
+    mask: Tensor | None,
+    device: torch.device,
+) -> SegmentResult:
+    """One segment on ``device`` (the query's device, or the host for host segments)."""
+    key, value, valid = segment.key, segment.value, segment.valid_mask
+    if mask is not None and mask.shape[-1] != 1:
+        mask = mask[..., segment.start_pos : segment.end_pos]
+    if key.device != device:
+        # A device segment kept elsewhere is streamed to the query's device.
+        key = key.to(device, non_blocking=True)
+        value = value.to(device, non_blocking=True)
+    if valid is not None and valid.device != device:
+        valid = valid.to(device, non_blocking=True)
+    return attend_segment(
+        query,
+        key,
+        value,
+        scale,
+        query_positions=positions,
+        key_start=segment.start_pos,
+        valid_mask=valid,
+        mask=mask,
+    )
+
+
+def _entirely_future(query_positions: Tensor | int | None, sq: int, key_start: int) -> bool:
+    """True if an int-positioned query block precedes every key of the segment."""
+    return isinstance(query_positions, int) and key_start > query_positions + sq - 1
+
+
+def _visibility(
+    query_positions: Tensor | int | None,
+    sq: int,
+    key_start: int,
+    sk: int,
+    valid_mask: Tensor | None,
+    device: torch.device,
+) -> Tensor | None:
+    """Which keys each query may see, shaped to broadcast against ``[B, Hkv, G, Sq, Sk]``.
+
+    Returns None when every key is visible (no mask work on the common decode path).
+    """
+    allowed: Tensor | None = None
+    if query_positions is not None:
+        if isinstance(query_positions, int):
+            needs_causal = key_start + sk - 1 > query_positions
+            q_pos = torch.arange(query_positions, query_positions + sq, device=device)
+        else:
+            needs_causal = True
+            q_pos = query_positions.to(device)
+        if needs_causal:
+            k_pos = torch.arange(key_start, key_start + sk, device=device)
+            causal = k_pos <= q_pos.unsqueeze(-1)  # [Sq, Sk] or [B, Sq, Sk]
+            if causal.dim() == 2:
+                causal = causal.unsqueeze(0)
+            allowed = causal[:, None, None]  # [B|1, 1, 1, Sq, Sk]
+    if valid_mask is not None:
+        valid = valid_mask.to(device=device, dtype=torch.bool)[:, None, None, None, :]
+        allowed = valid if allowed is None else allowed & valid
+    return allowed
+
+
+def _grouped_mask(mask: Tensor, hkv: int, groups: int) -> Tensor:
+    """A mask broadcastable to ``[B, Hq, Sq, Sk]``, reshaped to ``[B, Hkv, G, Sq, Sk]``."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    b, h, sq, sk = mask.shape
+    if h == 1:
+        return mask.unsqueeze(2)  # [B, 1, 1, Sq, Sk]
+    if h != hkv * groups:
+        raise ValueError(f"mask: head dimension must be 1 or {hkv * groups}, got {h}")
+    return mask.reshape(b, hkv, groups, sq, sk)
+
+
+def attend_chunks(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid: Tensor,
+    scale: float,
+) -> SegmentResult:
+    """Attention of ``query`` over a set of sealed chunks shared by the batch, in one call.
+
+    The chunks are an arena (the device tier's slots for one layer, or a staging buffer of
+    streamed chunks): row ``b`` of the batch sees token ``t`` of chunk ``s`` iff
+    ``valid[b, s, t]``. Every chunk precedes every query (sealed chunks are older than the
+    tail and the new tokens), so no causal rule applies. ``keys``/``values`` should be
+    contiguous so that ``[S, Hkv]`` folds into one batch dimension without a copy.
+
+    Args:
+        query: ``[B, Hq, Sq, D]``.
+        keys: ``[S, Hkv, T, D]`` (S chunks of T tokens).
+        values: ``[S, Hkv, T, D]``.
+        valid: ``[B, S, T]`` bool.
+        scale: multiplier of the scores.
+
+    Returns:
+        ``SegmentResult(out [B, Hq, Sq, D] float32, lse [B, Hq, Sq] float32)``.
+    """
+    b, hq, sq, d = query.shape
+    s, hkv, t, _ = keys.shape
+    if s == 0:
+        return empty_result(query)
+    groups = hq // hkv
+    k = keys.to(torch.float32).reshape(s * hkv, t, d)
+    v = values.to(torch.float32).reshape(s * hkv, t, d)
+    outs, lses = [], []
+    for row in range(b):
+        # [Hq, Sq, D] -> [Hkv, G*Sq, D], repeated over the S chunks: [S*Hkv, G*Sq, D].
+        q = (query[row].to(torch.float32) * scale).reshape(hkv, groups * sq, d)
+        q = q.unsqueeze(0).expand(s, hkv, groups * sq, d).reshape(s * hkv, groups * sq, d)
+        scores = torch.bmm(q, k.transpose(1, 2)).view(s, hkv, groups * sq, t)
+        scores.masked_fill_(~valid[row].view(s, 1, 1, t), -math.inf)
+        # One softmax over all chunks and tokens: reduce over S (dim 0) and T (dim 3).
+        row_max = scores.amax(dim=(0, 3), keepdim=True)  # [1, Hkv, G*Sq, 1]
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        probs = scores.sub_(row_max).exp_()
+        denom = probs.sum(dim=(0, 3), keepdim=True)  # [1, Hkv, G*Sq, 1]
+        out = torch.bmm(probs.view(s * hkv, groups * sq, t), v).view(s, hkv, groups * sq, d)
+        out = out.sum(dim=0).div_(torch.where(denom[0] > 0, denom[0], torch.ones_like(denom[0])))
+        outs.append(out.view(hq, sq, d))
+        lses.append((row_max + denom.log()).view(hq, sq))
+    return SegmentResult(torch.stack(outs), torch.stack(lses))

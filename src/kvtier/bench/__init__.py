@@ -1,0 +1,5 @@
+"""Benchmarks, one module per question; ``kvtier bench NAME`` and ``benchmarks/NAME.py``."""
+
+from __future__ import annotations
+
+BENCHMARKS = ("tiers",)

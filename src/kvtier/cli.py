@@ -1,0 +1,54 @@
+"""The ``kvtier`` command line.
+
+Expected failures (bad flags, a missing model, an unwritable path, a full tier) print one
+line naming the problem and the fix, and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtier.bench import BENCHMARKS
+from kvtier.tiers.base import TierFullError
+
+EXPECTED_ERRORS = (ValueError, FileNotFoundError, PermissionError, TierFullError, OSError)
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            f"usage: kvtier bench NAME [--quick] [--json PATH]\nbenchmarks: {', '.join(BENCHMARKS)}"
+        )
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        raise ValueError(f"bench: unknown benchmark {name!r}; accepted: {', '.join(BENCHMARKS)}")
+    module = importlib.import_module(f"kvtier.bench.{name}")
+    return int(module.main(rest))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="kvtier", description="tiered KV-cache engine")
+    parser.add_argument("command", choices=["bench"], help="what to run")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    try:
+        command, rest = argv[0], argv[1:]
+        if command == "bench":
+            return _bench(rest)
+        parser.parse_args(argv)  # prints the usage error for an unknown command
+        return 2
+    except EXPECTED_ERRORS as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

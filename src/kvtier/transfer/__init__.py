@@ -1,0 +1,20 @@
+"""Links between adjacent tiers: copy steps, per-layer readiness handles, throttling."""
+
+from __future__ import annotations
+
+from kvtier.transfer.handle import TransferError, TransferHandle
+from kvtier.transfer.link import Link, LinkStats
+from kvtier.transfer.steps import CopyStep, layer_copy_steps
+from kvtier.transfer.throttle import Throttle, ThrottleClock, sleep_until
+
+__all__ = [
+    "CopyStep",
+    "Link",
+    "LinkStats",
+    "Throttle",
+    "ThrottleClock",
+    "TransferError",
+    "TransferHandle",
+    "layer_copy_steps",
+    "sleep_until",
+]

@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny layouts and deterministic chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.kv import Chunk, ChunkRef, KeyHasher, KVLayout, Namespace
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    """A tiny layout: 2 layers, 2 KV heads, head dim 8, 16-token chunks (2 KiB a chunk)."""
+    return KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, chunk_tokens=16)
+
+
+def make_chunks(layout: KVLayout, count: int, seed: int = 0) -> list[Chunk]:
+    """``count`` chunks of one sequence with seeded token ids and data."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 50_000, size=count * layout.chunk_tokens)
+    hasher = KeyHasher(Namespace("test-model", layout))
+    gen = torch.Generator().manual_seed(seed)
+    chunks = []
+    for i, key in enumerate(hasher.chain(ids)):
+        ref = ChunkRef.of(key, ids[i * layout.chunk_tokens : (i + 1) * layout.chunk_tokens])
+        data = torch.randn(layout.chunk_shape, generator=gen, dtype=torch.float32)
+        chunks.append(Chunk(ref, data.to(layout.dtype)))
+    return chunks
