@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvtier.kv import Chunk, KVLayout
-from kvtier.tiers import disk
+from kvtier.tiers import disk, disk_io
 from kvtier.tiers.disk import DiskFullError, DiskTier
 from tests.conftest import make_chunks
 
@@ -298,7 +298,7 @@ def test_full_disk_names_the_path(
     def no_space(fd: int, data: memoryview, offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk, "_pwrite_all", no_space)
+    monkeypatch.setattr(disk_io, "pwrite_all", no_space)
     with pytest.raises(DiskFullError, match=r"disk\.path: no space left .*kvseg"):
         tier.put([b])
     monkeypatch.undo()

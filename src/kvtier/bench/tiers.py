@@ -86,7 +86,7 @@ def tier_get_gbps(tier: Tier, chunks: list[Chunk], out: torch.Tensor) -> float:
 def run(quick: bool, seed: int, folder: Path | None) -> dict[str, Any]:
     layout = EMBEDDED_LAYOUT
     num_chunks = 12 if quick else 40
-    repeats = 3 if quick else 5
+    repeats = 5 if quick else 9
     nbytes = num_chunks * layout.chunk_nbytes
     chunks = make_chunks(layout, num_chunks, seed)
     out = layout.empty_chunk().zero_()

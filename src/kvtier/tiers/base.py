@@ -12,6 +12,7 @@ so several threads can move data through one tier at once.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -24,6 +25,8 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
 from kvtier.policy.eviction import EvictionPolicy, make_policy
+
+log = logging.getLogger(__name__)
 
 
 class TierFullError(RuntimeError):
@@ -84,8 +87,10 @@ class Tier(ABC):
     """A store of sealed chunks in fixed-size slots with a byte budget.
 
     Subclasses provide slot storage (``_write_slot``, ``_read_slot``, ``_free_slot``,
-    ``_alloc_slot``, ``_victim_data``); this class provides the index, token-id checks,
-    pins, eviction and stats, identically for every tier.
+    ``_alloc_slot``, ``_victim_data``) and may override the hooks ``_forget_slot`` and
+    ``_end_put``; durable tiers register what they find at start with ``_restore``. This
+    class provides the index, token-id checks, pins, eviction and stats, identically for
+    every tier.
 
     Args:
         name: short tier name for stats and reports ("device", "host", "disk").
@@ -132,12 +137,38 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def _victim_data(self, slot: int) -> torch.Tensor:
-        """The data of a slot about to be evicted, readable during the evict hook."""
+    def _victim_data(self, slot: int) -> torch.Tensor | None:
+        """The data of a slot about to be evicted, readable during the evict hook.
+
+        None if the stored bytes are found corrupt: the victim is then dropped without the
+        hook and counted in ``stats.corrupt_dropped``. Called under the lock, and only
+        when an evict hook is installed.
+        """
 
     def _forget_slot(self, slot: int) -> None:
         """Hook for durable tiers to mark a slot invalid before it is reused."""
         return None
+
+    def _end_put(self) -> None:
+        """Hook run once at the end of every ``put`` call, also when it raises.
+
+        Called without the lock, in the thread that called ``put``; durable tiers flush the
+        writes of the call here. An exception raised here propagates out of ``put``.
+        """
+        return None
+
+    def _restore(self, ref: ChunkRef, slot: int) -> None:
+        """Register a chunk already stored in ``slot`` as held, newest in eviction order.
+
+        For tiers that find chunks at construction (before the tier is shared). The
+        subclass marks ``slot`` taken in its own slot storage; this adds the index entry
+        and the policy entry.
+        """
+        with self._lock:
+            if ref.key in self._entries:
+                raise ValueError(f"{self.name}: chunk {ref.short()} restored twice")
+            self._entries[ref.key] = _Entry(ref=ref, slot=slot)
+            self._policy.insert(ref.key)
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -203,41 +234,48 @@ class Tier(ABC):
         """Copy sealed chunks in, evicting unpinned chunks (policy order) to make room.
 
         The caller keeps ownership of every ``chunk.data``. Chunks already held are left as
-        they are (sealed chunks never change). Blocks for the copies.
+        they are (sealed chunks never change). Blocks for the copies, then runs
+        ``_end_put`` (also when it raises).
 
         Raises:
             TierFullError: a slot is needed and every held chunk is pinned (the chunks
                 before the failing one are stored).
         """
         result = PutResult()
-        for chunk in chunks:
-            slot = self._reserve(chunk.ref, result)
-            if slot is None:
-                continue
-            start = time.perf_counter()
-            try:
-                self._write_slot(slot, chunk)
-            except BaseException:
+        try:
+            for chunk in chunks:
+                slot = self._reserve(chunk.ref, result)
+                if slot is None:
+                    continue
+                start = time.perf_counter()
+                try:
+                    self._write_slot(slot, chunk)
+                except BaseException:
+                    with self._lock:
+                        self._drop(chunk.key)
+                    raise
+                elapsed = time.perf_counter() - start
                 with self._lock:
-                    self._drop(chunk.key)
-                raise
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                entry = self._entries.get(chunk.key)
-                if entry is not None and entry.slot == slot:
-                    entry.ready = True
-                    self._policy.insert(chunk.key)
-                self._stats.puts += 1
-                self._stats.bytes_in += self.chunk_nbytes
-                self._stats.put_seconds += elapsed
-            result.stored.append(chunk.key)
+                    entry = self._entries.get(chunk.key)
+                    if entry is not None and entry.slot == slot:
+                        entry.ready = True
+                        self._policy.insert(chunk.key)
+                    self._stats.puts += 1
+                    self._stats.bytes_in += self.chunk_nbytes
+                    self._stats.put_seconds += elapsed
+                result.stored.append(chunk.key)
+        finally:
+            self._end_put()
         return result
 
     def get_into(self, refs: Sequence[ChunkRef], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy held chunks into caller-owned buffers; a miss leaves its buffer untouched.
+        """Copy held chunks into caller-owned buffers.
 
-        A hit counts as a use for eviction. A chunk found corrupt is dropped and counted,
-        and reads as a miss. Blocks for the copies.
+        A miss (key not held, or other token ids) leaves its buffer untouched. A hit counts
+        as a use for eviction. A chunk found corrupt is dropped, counted in
+        ``stats.corrupt_dropped`` and reads as a miss, but its buffer may be left partly
+        written: tiers that verify while they copy (the disk tier) have written part of the
+        chunk before the check fails. Blocks for the copies.
         """
         if len(refs) != len(outs):
             raise ValueError(f"get_into: {len(refs)} refs but {len(outs)} output buffers")
@@ -325,7 +363,16 @@ class Tier(ABC):
                     )
                 victim = self._entries[victims[0]]  # type: ignore[index]
                 if self._on_evict is not None:
-                    self._on_evict(Chunk(victim.ref, self._victim_data(victim.slot)))
+                    data = self._victim_data(victim.slot)
+                    if data is None:
+                        self._stats.corrupt_dropped += 1
+                        log.warning(
+                            "%s: victim %s is corrupt; not written back",
+                            self.name,
+                            victim.ref.short(),
+                        )
+                    else:
+                        self._on_evict(Chunk(victim.ref, data))
                 self._drop(victim.ref.key)
                 self._stats.evictions += 1
                 result.evicted.append(victim.ref)

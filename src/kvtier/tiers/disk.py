@@ -1,148 +1,55 @@
 """The disk tier: chunks in fixed-size slots of segment files, checksummed, restart-safe.
 
-On-disk format. One directory per tier; segment ``k`` of a layout is the file
-``{layout.fingerprint()}.s{segment_slots}.{k:05d}.kvseg``, which holds the slots
-``k * segment_slots ...`` back to back, each ``slot_nbytes`` long::
+Files. One directory per tier, holding a layout's segment files of fixed-size slots (a
+checksummed header block, then the chunk's bytes; see ``disk_format``). A lock file
+(``flock``) keeps a second process off the same segments.
 
-    slot = [header block: header_nbytes, a multiple of 4096][chunk bytes, padded to 4096]
-
-The header (little-endian, see ``_FIXED``) holds a magic, its own xxh3_64 checksum, the
-format version, a sequence number (monotonic per directory), the slot's own index, the
-chunk's byte length and xxh3_64, the layout fingerprint, the key and the token ids (int64).
-A slot goes down in positioned writes (O_DIRECT where the filesystem takes it): one write
-of header and data when the slot is at most ``PIECE_NBYTES`` of data, else the header with
-the first piece while I/O threads write the others. Either way a torn or partial write
-reads as a bad header checksum or a bad data hash, never as wrong KV. An all-zero header is
-a free slot: eviction zeroes the header so a restart does not bring the chunk back, and
-should two headers ever name one key, the higher sequence number wins. Files grow as slots
-are first written; a scan at open stops at each file's end. A lock file
-(``{fingerprint}.lock``, ``flock``) keeps a second process off the same segments.
+Writes. A slot goes down in positioned writes (O_DIRECT where the filesystem takes it): one
+write of header and data when the slot is at most ``PIECE_NBYTES`` of data, else the header
+with the first piece while I/O threads write the others. Either way a torn or partial write
+reads as a bad header checksum or a bad data hash, never as wrong KV. Eviction zeroes the
+header (a free slot) so a restart does not bring the chunk back, and should two headers
+ever name one key, the higher sequence number wins. Files grow as slots are first written;
+a scan at open stops at each file's end.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import heapq
 import logging
-import mmap
 import os
-import re
-import struct
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
 
-import numpy as np
 import torch
-import xxhash
 
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
-from kvtier.tiers.base import EvictHook, PutResult, Tier, _Entry
+from kvtier.tiers import disk_io
+from kvtier.tiers.base import Tier
+from kvtier.tiers.disk_format import (
+    MAX_KEY_NBYTES,
+    SlotFormat,
+    SlotHeader,
+    data_hasher,
+    find_segments,
+    lock_name,
+    segment_name,
+)
+from kvtier.tiers.disk_io import Staging, copy_bytes
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (512 B and 4 KiB disks)
-MAGIC = b"KVTSLOT\x00"
-FORMAT_VERSION = 1
-MAX_KEY_NBYTES = 64
-# magic, header checksum, version, header_nbytes, seq, slot, data_nbytes, data_hash,
-# num_tokens, key length, fingerprint length, key, fingerprint; the token ids follow.
-_FIXED = struct.Struct("<8sQIIQQQQIHH64s128s")
 # Large slots move in pieces: a thread copies and hashes one piece while the I/O threads
 # move others, so the memory work hides behind the disk instead of adding to it.
 PIECE_NBYTES = 1 << 20
 IO_THREADS = 4
-_CHECKSUMMED_FROM = 16  # the checksum covers the header block after magic and checksum
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-_datasync = getattr(os, "fdatasync", os.fsync)
 
 
 class DiskFullError(OSError):
     """Raised by ``DiskTier.put`` when the filesystem under ``disk.path`` is full."""
-
-
-class _Header(NamedTuple):
-    seq: int
-    slot: int
-    key: bytes
-    token_bytes: bytes  # int64 little-endian
-    data_hash: int
-
-
-class _Staging:
-    """A page-aligned, pre-faulted buffer seen as memoryview, numpy and torch (uint8)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self._map = mmap.mmap(-1, nbytes)  # anonymous maps are page-aligned: O_DIRECT-ready
-        self.view = memoryview(self._map)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
-        self.array.fill(0)  # fault every page now: first touch is the slow part of a copy
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-
-
-def _round_up(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "pwrite wrote nothing")
-        data, offset = data[written:], offset + written
-
-
-def _pread_upto(fd: int, buf: memoryview, offset: int) -> int:
-    """Read ``len(buf)`` bytes at ``offset``; fewer only at the end of the file."""
-    got = 0
-    while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        got += n
-        if n == 0 or got % ALIGN:  # end of file (an unaligned retry would fail O_DIRECT)
-            break
-    return got
-
-
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy the bytes of ``src`` into contiguous ``dst`` of the same byte size.
-
-    CPU to CPU goes through numpy: one thread, GIL released. torch spreads a large copy over
-    its intra-op threads, which stall when other processes hold the cores (5x slower here).
-    """
-    dst_bytes = dst.view(-1).view(torch.uint8)
-    src_bytes = src.detach().contiguous().view(-1).view(torch.uint8)
-    if dst.device.type == "cpu" and src.device.type == "cpu":
-        np.copyto(dst_bytes.numpy(), src_bytes.numpy())
-    else:
-        dst_bytes.copy_(src_bytes)
-
-
-def _probe_writes(path: str, want_direct: bool) -> bool:
-    """Write a block into ``path``; True if O_DIRECT writes work there. Raises OSError."""
-    probe = os.path.join(path, f".kvtier-probe-{os.getpid()}-{threading.get_ident()}")
-    block = _Staging(ALIGN).view
-    try:
-        for direct in [True, False] if want_direct and _O_DIRECT else [False]:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0)
-            try:
-                fd = os.open(probe, flags, 0o644)
-                try:
-                    _pwrite_all(fd, block, 0)
-                finally:
-                    os.close(fd)
-                return direct
-            except OSError as exc:
-                if not (direct and exc.errno == errno.EINVAL):  # EINVAL: no O_DIRECT here
-                    raise
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
 
 
 class DiskTier(Tier):
@@ -156,8 +63,7 @@ class DiskTier(Tier):
     through per-thread aligned buffers, so several threads move data at once.
 
     ``get_into`` copies a chunk into ``out`` piece by piece while the next pieces are read,
-    so ``out`` is written before the data hash is known: a chunk found corrupt reads as a
-    miss but may leave part of itself in ``out`` (a miss by key or token ids does not).
+    before the data hash is known: hence a chunk found corrupt may leave part of it in ``out``.
 
     Args:
         layout: the KV layout of every chunk stored.
@@ -188,14 +94,15 @@ class DiskTier(Tier):
             raise ValueError(f"disk.segment_nbytes: must be >= 1, got {segment_nbytes}")
         self.path = os.path.abspath(os.fspath(path))
         self.fsync = fsync
-        self.header_nbytes = _round_up(_FIXED.size + 8 * layout.chunk_tokens)
-        self.slot_nbytes = self.header_nbytes + _round_up(layout.chunk_nbytes)
+        self._format = SlotFormat.for_layout(layout)
+        self.header_nbytes = self._format.header_nbytes
+        self.slot_nbytes = self._format.slot_nbytes
         self.segment_slots = max(1, segment_nbytes // self.slot_nbytes)
         self._data_end = self.header_nbytes + layout.chunk_nbytes  # in a slot
         # Slot byte ranges moved as one I/O each: the first holds the header.
         bounds = list(range(self.header_nbytes + PIECE_NBYTES, self.slot_nbytes, PIECE_NBYTES))
         self._pieces = list(zip([0, *bounds], [*bounds, self.slot_nbytes], strict=True))
-        self._fingerprint = layout.fingerprint().encode()
+        self._fingerprint = self._format.fingerprint
         self.o_direct = self._prepare_directory(use_o_direct)
         self._lock_fd = self._lock_directory()
         self._fds: dict[int, int] = {}  # segment -> fd
@@ -203,11 +110,10 @@ class DiskTier(Tier):
         self._next_seq = 0
         self._closed = False
         self._local = threading.local()  # per thread: staging buffer, segments to sync
-        self._zeros = _Staging(self.header_nbytes).view
+        self._zeros = Staging(self.header_nbytes).view  # an aligned free-slot header
         self._used: set[int] = set()
         self._free: list[int] = []  # a heap: the lowest free slot is taken first
         self._high_water = 0  # every slot from here on is free
-        self._victim_ok = True
         self._pool: ThreadPoolExecutor | None = None  # I/O threads, made on first need
         try:
             self._scan(verify_on_open)
@@ -216,24 +122,6 @@ class DiskTier(Tier):
             raise
 
     # ---- public API beyond Tier ---------------------------------------------------------
-
-    def put(self, chunks: Sequence[Chunk]) -> PutResult:
-        """As ``Tier.put``; with ``fsync``, every chunk stored is durable when it returns.
-
-        One ``fdatasync`` per segment touched ends the call (also when it raises), not one
-        per chunk: a flush costs as much as writing a few MB here.
-        """
-        try:
-            return super().put(chunks)
-        finally:
-            dirty = self._dirty()
-            if dirty:
-                start = time.perf_counter()
-                for segment in sorted(dirty):
-                    self._sync_fd(segment)
-                dirty.clear()
-                with self._lock:
-                    self._stats.put_seconds += time.perf_counter() - start
 
     def sync(self) -> None:
         """Make every chunk written so far durable (``fdatasync`` of every segment)."""
@@ -247,22 +135,6 @@ class DiskTier(Tier):
         segment, index = divmod(slot, self.segment_slots)
         return self._segment_path(segment), index * self.slot_nbytes
 
-    def set_evict_hook(self, hook: EvictHook | None) -> None:
-        """As ``Tier.set_evict_hook``; a victim found corrupt is counted, not handed on."""
-        if hook is None:
-            super().set_evict_hook(None)
-            return
-        write_back = hook
-
-        def checked(victim: Chunk) -> None:  # called under the lock, right after _victim_data
-            if self._victim_ok:
-                write_back(victim)
-            else:
-                self._stats.corrupt_dropped += 1
-                log.warning("disk: victim %s is corrupt; not written back", victim.ref.short())
-
-        super().set_evict_hook(checked)
-
     def close(self) -> None:
         """Flush and close every segment file; the tier must not be used afterwards."""
         with self._io_lock:
@@ -275,7 +147,7 @@ class DiskTier(Tier):
         errors: list[OSError] = []
         for fd in fds:
             try:
-                _datasync(fd)
+                disk_io.datasync(fd)
             except OSError as exc:
                 errors.append(exc)
             finally:
@@ -308,16 +180,16 @@ class DiskTier(Tier):
                 f"this tier stores {self.layout.chunk_shape} {self.layout.dtype}"
             )
         token_bytes = chunk.ref.token_bytes()
-        if len(chunk.key) > MAX_KEY_NBYTES or _FIXED.size + len(token_bytes) > self.header_nbytes:
+        if not self._format.fits(chunk.key, token_bytes):
             raise ValueError(
                 f"disk.put: chunk {chunk.ref.short()} has a {len(chunk.key)}-byte key and "
                 f"{chunk.ref.num_tokens} tokens; a slot header takes at most "
-                f"{MAX_KEY_NBYTES} bytes and {(self.header_nbytes - _FIXED.size) // 8} tokens"
+                f"{MAX_KEY_NBYTES} bytes and {self._format.max_tokens} tokens"
             )
         staging, head = self._staging(), self.header_nbytes
         src = data.detach().contiguous().view(-1).view(torch.uint8)
         segment, index = divmod(slot, self.segment_slots)
-        offset, hasher = index * self.slot_nbytes, xxhash.xxh3_64()
+        offset, hasher = index * self.slot_nbytes, data_hasher()
         writes: list[Future[None]] = []
         try:
             fd = self._segment_fd(segment)
@@ -325,16 +197,17 @@ class DiskTier(Tier):
             # piece goes down with the header (one write for a slot of one piece).
             for i, (start, end) in enumerate(self._pieces):
                 lo, hi = max(start, head), min(end, self._data_end)  # chunk bytes of the piece
-                _copy_bytes(staging.tensor[lo:hi], src[lo - head : hi - head])
+                copy_bytes(staging.tensor[lo:hi], src[lo - head : hi - head])
                 hasher.update(staging.view[lo:hi])
                 if i > 0:
                     piece = staging.view[start:end]
-                    writes.append(self._io_pool().submit(_pwrite_all, fd, piece, offset + start))
+                    write = self._io_pool().submit(disk_io.pwrite_all, fd, piece, offset + start)
+                    writes.append(write)
             with self._io_lock:
                 seq, self._next_seq = self._next_seq, self._next_seq + 1
             header = staging.view[:head]
-            self._encode_header(header, seq, slot, chunk.key, token_bytes, hasher.intdigest())
-            _pwrite_all(fd, staging.view[: self._pieces[0][1]], offset)
+            self._format.encode(header, seq, slot, chunk.key, token_bytes, hasher.intdigest())
+            disk_io.pwrite_all(fd, staging.view[: self._pieces[0][1]], offset)
             for write in writes:
                 write.result()
         except OSError as exc:
@@ -343,7 +216,7 @@ class DiskTier(Tier):
             for write in writes:  # the staging buffer is reused only once all have landed
                 write.exception()
         if self.fsync:
-            self._dirty().add(segment)  # flushed at the end of put()
+            self._dirty().add(segment)  # flushed by _end_put
 
     def _read_slot(self, slot: int, ref: ChunkRef, out: torch.Tensor) -> bool:
         if tuple(out.shape) != self.layout.chunk_shape or out.dtype != self.layout.dtype:
@@ -359,12 +232,29 @@ class DiskTier(Tier):
         out.copy_(src.view(self.layout.dtype).view(self.layout.chunk_shape))
         return True
 
-    def _victim_data(self, slot: int) -> torch.Tensor:
-        self._victim_ok = self._read_verified(slot) is not None
+    def _victim_data(self, slot: int) -> torch.Tensor | None:
+        if self._read_verified(slot) is None:
+            return None
         src = self._staging().tensor[self.header_nbytes : self.header_nbytes + self.chunk_nbytes]
         data = self.layout.empty_chunk()
-        _copy_bytes(data, src)
+        copy_bytes(data, src)
         return data
+
+    def _end_put(self) -> None:
+        """With ``fsync``, every chunk stored by the ``put`` call is durable on return.
+
+        One ``fdatasync`` per segment the calling thread touched, not one per chunk: a
+        flush costs as much as writing a few MB here. Counted in ``stats.put_seconds``.
+        """
+        dirty = self._dirty()
+        if not dirty:
+            return
+        start = time.perf_counter()
+        for segment in sorted(dirty):
+            self._sync_fd(segment)
+        dirty.clear()  # kept on failure: the next put flushes these segments again
+        with self._lock:
+            self._stats.put_seconds += time.perf_counter() - start
 
     def _forget_slot(self, slot: int) -> None:
         try:
@@ -379,7 +269,7 @@ class DiskTier(Tier):
         """Create ``path`` if needed and check it takes writes; True if O_DIRECT works."""
         try:
             os.makedirs(self.path, exist_ok=True)
-            return _probe_writes(self.path, use_o_direct)
+            return disk_io.probe_writes(self.path, use_o_direct)
         except OSError as exc:
             raise ValueError(
                 f"disk.path: {self.path!r} is not a writable directory ({exc.strerror}); "
@@ -388,21 +278,17 @@ class DiskTier(Tier):
 
     def _lock_directory(self) -> int:
         """Take this layout's lock file in ``path``, so one process owns the segments."""
-        lock_path = os.path.join(self.path, f"{self._fingerprint.decode()}.lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        lock_path = os.path.join(self.path, lock_name(self._fingerprint))
+        fd = disk_io.lock_exclusive(lock_path)
+        if fd is None:
             raise ValueError(
                 f"disk.path: {self.path!r} is in use by another disk tier (lock {lock_path}); "
                 "close it first or give each process its own directory"
-            ) from None
+            )
         return fd
 
     def _segment_path(self, segment: int) -> str:
-        name = f"{self._fingerprint.decode()}.s{self.segment_slots}.{segment:05d}.kvseg"
-        return os.path.join(self.path, name)
+        return os.path.join(self.path, segment_name(self._fingerprint, self.segment_slots, segment))
 
     def _segment_fd(self, segment: int) -> int:
         fd = self._fds.get(segment)
@@ -417,20 +303,11 @@ class DiskTier(Tier):
 
     def _open_segment(self, segment: int) -> tuple[int, int]:
         """Open a segment file, creating it if missing; returns (fd, its size)."""
-        path = self._segment_path(segment)
-        created = not os.path.exists(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | (_O_DIRECT if self.o_direct else 0), 0o644)
-        if created and self.fsync:
-            dir_fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)  # make the new file's name durable too
-            finally:
-                os.close(dir_fd)
-        return fd, os.fstat(fd).st_size
+        return disk_io.open_file(self._segment_path(segment), self.o_direct, self.fsync)
 
     def _sync_fd(self, segment: int) -> None:
         try:
-            _datasync(self._fds[segment])
+            disk_io.datasync(self._fds[segment])
         except OSError as exc:
             raise self._disk_error(exc, segment) from exc
 
@@ -448,15 +325,15 @@ class DiskTier(Tier):
         segment, index = divmod(slot, self.segment_slots)
         fd = self._fds.get(segment)
         if fd is not None:  # no file yet: nothing was ever written there
-            _pwrite_all(fd, self._zeros, index * self.slot_nbytes)
+            disk_io.pwrite_all(fd, self._zeros, index * self.slot_nbytes)
 
     # ---- per-thread state ---------------------------------------------------------------
 
-    def _staging(self) -> _Staging:
+    def _staging(self) -> Staging:
         """This thread's slot-sized aligned buffer (made on first use, then reused)."""
-        staging: _Staging | None = getattr(self._local, "staging", None)
+        staging: Staging | None = getattr(self._local, "staging", None)
         if staging is None:
-            staging = self._local.staging = _Staging(self.slot_nbytes)
+            staging = self._local.staging = Staging(self.slot_nbytes)
         return staging
 
     def _io_pool(self) -> ThreadPoolExecutor:
@@ -474,42 +351,11 @@ class DiskTier(Tier):
             dirty = self._local.dirty = set()
         return dirty
 
-    # ---- headers ------------------------------------------------------------------------
-
-    def _encode_header(
-        self, buf: memoryview, seq: int, slot: int, key: bytes, token_bytes: bytes, data_hash: int
-    ) -> None:
-        head = self.header_nbytes
-        buf[:head] = self._zeros
-        _FIXED.pack_into(
-            buf, 0, MAGIC, 0, FORMAT_VERSION, head, seq, slot, self.chunk_nbytes, data_hash,
-            len(token_bytes) // 8, len(key), len(self._fingerprint), key, self._fingerprint,
-        )  # fmt: skip
-        buf[_FIXED.size : _FIXED.size + len(token_bytes)] = token_bytes
-        struct.pack_into("<Q", buf, 8, xxhash.xxh3_64_intdigest(buf[_CHECKSUMMED_FROM:head]))
-
-    def _decode_header(self, block: memoryview) -> _Header | None:
-        """The header in ``block`` if whole, intact and of this layout; else None."""
-        if len(block) != self.header_nbytes or bytes(block[:8]) != MAGIC:
-            return None
-        (_, checksum, version, head, seq, slot, data_nbytes, data_hash, num_tokens, key_len,
-         fp_len, key, fingerprint) = _FIXED.unpack_from(block)  # fmt: skip
-        tokens_end = _FIXED.size + 8 * num_tokens
-        if (
-            checksum != xxhash.xxh3_64_intdigest(block[_CHECKSUMMED_FROM:])
-            or version != FORMAT_VERSION
-            or head != self.header_nbytes
-            or data_nbytes != self.chunk_nbytes
-            or fingerprint[:fp_len] != self._fingerprint
-            or key_len > MAX_KEY_NBYTES
-            or tokens_end > head
-        ):
-            return None
-        return _Header(seq, slot, key[:key_len], bytes(block[_FIXED.size : tokens_end]), data_hash)
+    # ---- reading ------------------------------------------------------------------------
 
     def _read_verified(
         self, slot: int, ref: ChunkRef | None = None, out_bytes: torch.Tensor | None = None
-    ) -> _Header | None:
+    ) -> SlotHeader | None:
         """Read a slot into this thread's staging buffer; its header if every check passes.
 
         Checks: the header (checksum, layout, slot index), the chunk named (``ref``'s key
@@ -522,28 +368,28 @@ class DiskTier(Tier):
         segment, index = divmod(slot, self.segment_slots)
         fd, offset = self._segment_fd(segment), index * self.slot_nbytes
         reads = [
-            self._io_pool().submit(_pread_upto, fd, staging.view[start:end], offset + start)
+            self._io_pool().submit(disk_io.pread_upto, fd, staging.view[start:end], offset + start)
             for start, end in self._pieces[1:]
         ]
         try:
             first_end = self._pieces[0][1]
-            if _pread_upto(fd, staging.view[:first_end], offset) < first_end:
+            if disk_io.pread_upto(fd, staging.view[:first_end], offset) < first_end:
                 return None  # truncated
-            header = self._decode_header(staging.view[:head])
+            header = self._format.decode(staging.view[:head])
             if header is None or header.slot != slot:
                 return None
             if ref is not None and (
                 header.key != ref.key or header.token_bytes != ref.token_bytes()
             ):
                 return None
-            hasher = xxhash.xxh3_64()
+            hasher = data_hasher()
             for i, (start, end) in enumerate(self._pieces):
                 if i > 0 and reads[i - 1].result() < end - start:
                     return None  # truncated
                 lo, hi = max(start, head), min(end, self._data_end)  # chunk bytes of the piece
                 hasher.update(staging.view[lo:hi])
                 if out_bytes is not None:
-                    _copy_bytes(out_bytes[lo - head : hi - head], staging.tensor[lo:hi])
+                    copy_bytes(out_bytes[lo - head : hi - head], staging.tensor[lo:hi])
         finally:
             for read in reads:  # the staging buffer is reused only once all have landed
                 read.exception()
@@ -553,12 +399,7 @@ class DiskTier(Tier):
 
     def _adopt_segments(self) -> list[int]:
         """The numbers of this layout's segments on disk; adopts their geometry."""
-        pattern = re.compile(re.escape(self._fingerprint.decode()) + r"\.s(\d+)\.(\d+)\.kvseg")
-        found: dict[int, list[int]] = {}
-        for name in os.listdir(self.path):
-            match = pattern.fullmatch(name)
-            if match:
-                found.setdefault(int(match[1]), []).append(int(match[2]))
+        found = find_segments(os.listdir(self.path), self._fingerprint)
         if len(found) > 1:
             raise ValueError(
                 f"disk.path: {self.path!r} mixes segments of {sorted(found)} slots; "
@@ -574,7 +415,7 @@ class DiskTier(Tier):
         segments = self._adopt_segments()
         staging = self._staging()
         head = self.header_nbytes
-        valid: list[_Header] = []
+        valid: list[SlotHeader] = []
         bad: list[int] = []
         for segment in segments:
             fd, size = self._open_segment(segment)
@@ -583,10 +424,10 @@ class DiskTier(Tier):
                 slot, offset = segment * self.segment_slots + index, index * self.slot_nbytes
                 if offset >= size:
                     break  # never written, or cut off whole (then undetectable)
-                got = _pread_upto(fd, staging.view[:head], offset)
+                got = disk_io.pread_upto(fd, staging.view[:head], offset)
                 if not staging.array[:got].any():
                     continue  # a free slot
-                header = self._decode_header(staging.view[:got])
+                header = self._format.decode(staging.view[:got])
                 if (
                     header is None
                     or header.slot != slot
@@ -599,7 +440,7 @@ class DiskTier(Tier):
         self._stats.corrupt_dropped += len(bad)
         valid.sort(key=lambda h: h.seq)
         self._next_seq = valid[-1].seq + 1 if valid else 0
-        newest: dict[bytes, _Header] = {}
+        newest: dict[bytes, SlotHeader] = {}
         for header in valid:  # ascending seq: the newest copy of a key wins
             if header.key in newest:
                 bad.append(newest[header.key].slot)
@@ -609,14 +450,12 @@ class DiskTier(Tier):
         bad.extend(h.slot for h in kept[:excess])  # over capacity: the oldest go
         self._stats.evictions += excess
         for header in kept[excess:]:
-            token_ids = tuple(np.frombuffer(header.token_bytes, dtype="<i8").tolist())
-            self._entries[header.key] = _Entry(ChunkRef(header.key, token_ids), header.slot)
-            self._policy.insert(header.key)
+            self._restore(header.ref(), header.slot)
             self._used.add(header.slot)
         for slot in bad:
             self._zero_header(slot)
         self._high_water = max(self._used) + 1 if self._used else 0
         self._free = [s for s in range(self._high_water) if s not in self._used]  # a heap
         if segments:
-            n_kept = len(self._entries)
+            n_kept = len(self)
             log.info("disk: reopened %s: %d chunks, %d slots dropped", self.path, n_kept, len(bad))
