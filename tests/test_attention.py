@@ -339,36 +339,3 @@ def test_llama_layer_matches_eager(segmented_impl: str) -> None:
 
     greedy = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, **greedy), eager.generate(ids, **greedy))
-
-
-@pytest.mark.parametrize(("sq", "hq", "hkv"), [(1, 9, 3), (5, 4, 2), (3, 4, 4)])
-def test_attend_chunks_equals_full_attention_over_valid_tokens(sq: int, hq: int, hkv: int) -> None:
-    from kvtier.attention import attend_chunks
-
-    gen = torch.Generator().manual_seed(sq * 100 + hq)
-    b, s, t, d = 2, 5, 8, 16
-    query = torch.randn(b, hq, sq, d, generator=gen)
-    keys = torch.randn(s, hkv, t, d, generator=gen)
-    values = torch.randn(s, hkv, t, d, generator=gen)
-    valid = torch.rand(b, s, t, generator=gen) > 0.3
-    valid[1, 2] = False  # a chunk row 1 does not own
-    got = attend_chunks(query, keys, values, valid, d**-0.5)
-    for row in range(b):
-        # Reference: concatenate the valid tokens of every chunk and run plain softmax.
-        k = keys.permute(1, 0, 2, 3).reshape(hkv, s * t, d)[:, valid[row].reshape(-1)]
-        v = values.permute(1, 0, 2, 3).reshape(hkv, s * t, d)[:, valid[row].reshape(-1)]
-        k = k.repeat_interleave(hq // hkv, dim=0)
-        v = v.repeat_interleave(hq // hkv, dim=0)
-        scores = query[row] @ k.transpose(-1, -2) * d**-0.5  # [Hq, Sq, N]
-        expected = torch.softmax(scores, dim=-1) @ v
-        torch.testing.assert_close(got.out[row], expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got.lse[row], torch.logsumexp(scores, dim=-1))
-
-
-def test_attend_chunks_with_no_valid_token_drops_out_of_the_merge() -> None:
-    from kvtier.attention import attend_chunks
-
-    query = torch.randn(1, 2, 1, 4)
-    keys = torch.randn(3, 2, 4, 4)
-    result = attend_chunks(query, keys, keys, torch.zeros(1, 3, 4, dtype=torch.bool), 0.5)
-    assert torch.all(result.out == 0) and torch.all(result.lse == float("-inf"))

@@ -147,30 +147,56 @@ def attend_segment(
         return empty_result(query)
 
     # [B, Hq, Sq, D] -> [B, Hkv, G*Sq, D]: the G query heads of a KV head share its K/V.
-    q = query.to(torch.float32).reshape(b, hkv, groups * sq, d) * scale
+    q = query.to(torch.float32).reshape(b, hkv, groups * sq, d)
     k = key.to(torch.float32)
     v = value.to(torch.float32)
-    scores = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, G*Sq, Sk]
-    grouped = scores.view(b, hkv, groups, sq, sk)  # a view: masks broadcast over G
-
     allowed = _visibility(query_positions, sq, key_start, sk, valid_mask, query.device)
+    additive: Tensor | None = None  # [B|1, Hkv|1, G|1, Sq, Sk] float, added to the scores
     if allowed is not None:
-        grouped.masked_fill_(~allowed, -math.inf)
+        additive = torch.zeros(allowed.shape, dtype=torch.float32, device=query.device)
+        additive.masked_fill_(~allowed, -math.inf)
     if mask is not None:
         extra = _grouped_mask(mask, hkv, groups)
         if extra.dtype == torch.bool:
-            grouped.masked_fill_(~extra, -math.inf)
-        else:
-            grouped.add_(extra.to(torch.float32))
+            extra = torch.zeros(extra.shape, device=query.device).masked_fill_(~extra, -math.inf)
+        additive = extra.to(torch.float32) if additive is None else additive + extra
+    flat_mask = None
+    if additive is not None:
+        full = additive.expand(b, hkv, groups, sq, sk)
+        flat_mask = full.reshape(b, hkv, groups * sq, sk)
+    out, lse = _attend_flat(q, k, v, flat_mask, scale)
+    return SegmentResult(out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq))
 
-    row_max = scores.amax(dim=-1, keepdim=True)  # [B, Hkv, G*Sq, 1]; -inf if fully masked
+
+def _attend_flat(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention with log-sum-exp, float32: ``q [N, H, M, D]``, ``k, v [N, H, K, D]``,
+    optional additive ``mask [N, H, M, K]`` → ``(out [N, H, M, D], lse [N, H, M])``.
+
+    On the CPU this is torch's fused flash kernel (it returns the log-sum-exp); elsewhere a
+    plain matmul softmax. Rows that see no key come back as ``out = 0``, ``lse = -inf``.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        if mask is not None:
+            # The kernel reports lse = 0 for a row whose keys are all masked.
+            seen = torch.isfinite(mask).any(dim=-1)  # [N, H, M]
+            lse = torch.where(seen, lse, torch.full_like(lse, -math.inf))
+            out = out * seen.unsqueeze(-1)
+        return out, lse
+    scores = torch.matmul(q * scale, k.transpose(-1, -2))  # [N, H, M, K]
+    if mask is not None:
+        scores = scores + mask
+    row_max = scores.amax(dim=-1, keepdim=True)  # -inf if fully masked
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     probs = scores.sub_(row_max).exp_()  # masked scores become exp(-inf) = 0
-    denom = probs.sum(dim=-1, keepdim=True)  # [B, Hkv, G*Sq, 1]
-    out = torch.matmul(probs, v)  # [B, Hkv, G*Sq, D]
+    denom = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs, v)
     out.div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
-    lse = (row_max + denom.log()).squeeze(-1)  # log(0) = -inf for fully masked rows
-    return SegmentResult(out.view(b, hq, sq, d), lse.view(b, hq, sq))
+    return out, (row_max + denom.log()).squeeze(-1)
 
 
 def merge(results: Sequence[SegmentResult]) -> SegmentResult:
@@ -189,15 +215,13 @@ def merge(results: Sequence[SegmentResult]) -> SegmentResult:
     if len(results) == 1:
         return results[0]
     lses = torch.stack([r.lse for r in results])  # [N, B, Hq, Sq]
-    top = lses.amax(dim=0)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(lses - top)  # [N, B, Hq, Sq]; 0 for -inf rows
-    total = weights.sum(dim=0)
-    out = torch.zeros_like(results[0].out)
-    for weight, result in zip(weights, results, strict=True):
-        out.addcmul_(result.out, weight.unsqueeze(-1))
-    out.div_(torch.where(total > 0, total, torch.ones_like(total)).unsqueeze(-1))
-    return SegmentResult(out, top + total.log())
+    lse = torch.logsumexp(lses, dim=0)  # -inf only where every input is -inf
+    # w_i = exp(lse_i - lse) sums to 1 per row; rows seen by no segment give NaN -> 0.
+    weights = torch.exp(lses - lse).nan_to_num_(0.0).unsqueeze(-1)  # [N, B, Hq, Sq, 1]
+    out = results[0].out * weights[0]
+    for weight, result in zip(weights[1:], results[1:], strict=True):
+        out.addcmul_(result.out, weight)
+    return SegmentResult(out, lse)
 
 
 def segmented_attention(
@@ -343,54 +367,3 @@ def _grouped_mask(mask: Tensor, hkv: int, groups: int) -> Tensor:
     if h != hkv * groups:
         raise ValueError(f"mask: head dimension must be 1 or {hkv * groups}, got {h}")
     return mask.reshape(b, hkv, groups, sq, sk)
-
-
-def attend_chunks(
-    query: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    valid: Tensor,
-    scale: float,
-) -> SegmentResult:
-    """Attention of ``query`` over a set of sealed chunks shared by the batch, in one call.
-
-    The chunks are an arena (the device tier's slots for one layer, or a staging buffer of
-    streamed chunks): row ``b`` of the batch sees token ``t`` of chunk ``s`` iff
-    ``valid[b, s, t]``. Every chunk precedes every query (sealed chunks are older than the
-    tail and the new tokens), so no causal rule applies. ``keys``/``values`` should be
-    contiguous so that ``[S, Hkv]`` folds into one batch dimension without a copy.
-
-    Args:
-        query: ``[B, Hq, Sq, D]``.
-        keys: ``[S, Hkv, T, D]`` (S chunks of T tokens).
-        values: ``[S, Hkv, T, D]``.
-        valid: ``[B, S, T]`` bool.
-        scale: multiplier of the scores.
-
-    Returns:
-        ``SegmentResult(out [B, Hq, Sq, D] float32, lse [B, Hq, Sq] float32)``.
-    """
-    b, hq, sq, d = query.shape
-    s, hkv, t, _ = keys.shape
-    if s == 0:
-        return empty_result(query)
-    groups = hq // hkv
-    k = keys.to(torch.float32).reshape(s * hkv, t, d)
-    v = values.to(torch.float32).reshape(s * hkv, t, d)
-    outs, lses = [], []
-    for row in range(b):
-        # [Hq, Sq, D] -> [Hkv, G*Sq, D], repeated over the S chunks: [S*Hkv, G*Sq, D].
-        q = (query[row].to(torch.float32) * scale).reshape(hkv, groups * sq, d)
-        q = q.unsqueeze(0).expand(s, hkv, groups * sq, d).reshape(s * hkv, groups * sq, d)
-        scores = torch.bmm(q, k.transpose(1, 2)).view(s, hkv, groups * sq, t)
-        scores.masked_fill_(~valid[row].view(s, 1, 1, t), -math.inf)
-        # One softmax over all chunks and tokens: reduce over S (dim 0) and T (dim 3).
-        row_max = scores.amax(dim=(0, 3), keepdim=True)  # [1, Hkv, G*Sq, 1]
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        probs = scores.sub_(row_max).exp_()
-        denom = probs.sum(dim=(0, 3), keepdim=True)  # [1, Hkv, G*Sq, 1]
-        out = torch.bmm(probs.view(s * hkv, groups * sq, t), v).view(s, hkv, groups * sq, d)
-        out = out.sum(dim=0).div_(torch.where(denom[0] > 0, denom[0], torch.ones_like(denom[0])))
-        outs.append(out.view(hq, sq, d))
-        lses.append((row_max + denom.log()).view(hq, sq))
-    return SegmentResult(torch.stack(outs), torch.stack(lses))

@@ -119,3 +119,40 @@ class ManagerConfig:
             raise ValueError(
                 f"write_policy: unknown {self.write_policy!r}; accepted: {list(WRITE_POLICIES)}"
             )
+
+
+@dataclass(frozen=True)
+class TieredCacheConfig:
+    """The transformers drop-in cache.
+
+    Attributes:
+        device_budget_bytes: bytes of KV the device may hold: resident sealed chunks plus one
+            tail chunk per sequence. Streaming staging comes on top (``staging_bytes``).
+        staging_bytes: fixed device allowance for chunks streamed in from the host, split
+            into ``lookahead + 1`` ring slots.
+        lookahead: pieces (a layer's non-resident chunks, or part of them) in flight ahead
+            of the layer being computed.
+        prefetch: stream ahead of need; False fetches each piece only when a layer needs it
+            (the synchronous baseline).
+        sink_chunks: leading chunks of each sequence pinned on the device (attention sinks).
+        query_block_tokens: queries attended per block in a long prefill, bounding the
+            score matrix to ``heads × block × keys``.
+        link: the device⇄host link (throttle it to reproduce PCIe on a CPU-only machine).
+        device: where the device tier lives; None picks CUDA when available, else the CPU.
+    """
+
+    device_budget_bytes: int = 1 * GiB
+    staging_bytes: int = 64 * MiB
+    lookahead: int = 2
+    prefetch: bool = True
+    sink_chunks: int = 1
+    query_block_tokens: int = 512
+    link: LinkConfig = field(default_factory=LinkConfig)
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("device_budget_bytes", self.device_budget_bytes)
+        _check_int("staging_bytes", self.staging_bytes, 1)
+        _check_int("lookahead", self.lookahead)
+        _check_int("sink_chunks", self.sink_chunks)
+        _check_int("query_block_tokens", self.query_block_tokens, 1)

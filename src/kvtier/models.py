@@ -12,6 +12,7 @@ with ``local_files_only=True``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -392,3 +393,22 @@ def _slug(name: str) -> str:
 
 def _say(message: str) -> None:
     print(f"kvtier: {message}", file=sys.stderr, flush=True)
+
+
+def model_identity(model: torch.nn.Module, sample_elems: int = 256) -> str:
+    """A stable identity of a model's weights, for KV namespaces.
+
+    Hashes the config's name, every parameter's name, shape and dtype, and the first
+    ``sample_elems`` values of each parameter: two models share an identity only if they
+    almost surely compute the same KV (random-weight models with other seeds differ).
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "model")
+    digest.update(name.encode())
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            digest.update(f"{pname}:{tuple(param.shape)}:{param.dtype}".encode())
+            if param.device.type != "meta":
+                sample = param.detach().reshape(-1)[:sample_elems].to("cpu", torch.float32)
+                digest.update(sample.numpy().tobytes())
+    return f"{_slug(Path(name).name or 'model')}-{digest.hexdigest()}"

@@ -225,6 +225,12 @@ class Tier(ABC):
                     raise RuntimeError(f"{self.name}: unpin of chunk {ref.short()} not pinned")
                 entry.pins -= 1
 
+    def count_reads(self, hits: int, nbytes: int) -> None:
+        """Record reads served straight from a pinned slot view (not via ``get_into``)."""
+        with self._lock:
+            self._stats.hits += hits
+            self._stats.bytes_out += nbytes
+
     def is_pinned(self, key: ChunkKey) -> bool:
         with self._lock:
             entry = self._entries.get(key)

@@ -19,9 +19,10 @@ class PoolTier(Tier):
     """A tier whose slots live in one pre-allocated tensor.
 
     Slot-major pools (``[num_slots, L, 2, H, T, D]``, the host) keep each chunk contiguous for
-    whole-chunk I/O. Layer-major pools (``[L, 2, num_slots, H, T, D]``, the device) keep each
-    layer's keys of *all* slots contiguous, so attention reads one layer of every resident
-    chunk as one ``[S, H, T, D]`` tensor (``layer_kv``) without gathering.
+    whole-chunk I/O. Layer-major pools (``[L, 2, H, num_slots, T, D]``, the device) lay the
+    slots of one layer and head end to end along the token axis, so attention reads one
+    layer of a run of resident chunks as one ``[H, S*T, D]`` sequence (``layer_kv``), with no
+    gather and one kernel call.
 
     Args:
         name: tier name ("device" or "host").
@@ -30,7 +31,7 @@ class PoolTier(Tier):
         device: where the pool lives.
         pin_memory: page-lock a CPU pool (fast, async copies to CUDA).
         eviction_policy: registry name of the eviction policy.
-        layer_major: lay the pool out ``[L, 2, S, H, T, D]`` instead of ``[S, L, 2, H, T, D]``.
+        layer_major: lay the pool out ``[L, 2, H, S, T, D]`` instead of ``[S, L, 2, H, T, D]``.
     """
 
     def __init__(
@@ -48,7 +49,7 @@ class PoolTier(Tier):
         self.layer_major = layer_major
         num_layers, two, heads, tokens, dim = layout.chunk_shape
         shape = (
-            (num_layers, two, self.num_slots, heads, tokens, dim)
+            (num_layers, two, heads, self.num_slots, tokens, dim)
             if layer_major
             else (self.num_slots, num_layers, two, heads, tokens, dim)
         )
@@ -66,7 +67,7 @@ class PoolTier(Tier):
 
     def slot_data(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a chunk-shaped view ``[L, 2, H, T, D]`` (strided if layer-major)."""
-        return self.pool[:, :, slot] if self.layer_major else self.pool[slot]
+        return self.pool[:, :, :, slot] if self.layer_major else self.pool[slot]
 
     def _write_slot(self, slot: int, chunk: Chunk) -> None:
         self.slot_data(slot).copy_(chunk.data, non_blocking=self.device.type == "cuda")
@@ -87,8 +88,9 @@ class PoolTier(Tier):
             return None if entry is None else entry.slot
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one layer for every slot, ``[S, H, T, D]`` each (layer-major).
+        """Keys and values of one layer for every slot, ``[H, S, T, D]`` each (layer-major).
 
+        ``keys[:, a:b].reshape(H, -1, D)`` is slots ``a..b-1`` as one sequence, without a copy.
         Views into the pool: valid for the slots the caller has pinned.
         """
         if not self.layer_major:

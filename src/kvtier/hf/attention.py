@@ -1,0 +1,177 @@
+"""kvtier's attention for transformers: registration, the mask hook and the input-id hook.
+
+``attach(model)`` registers ``"kvtier"`` in transformers' ``AttentionInterface`` and
+``AttentionMaskInterface``, switches the model to it, and hooks the input embeddings so the
+cache learns the token ids it must key chunks by. The attention function attends to a
+``TieredCache`` layer as segments — resident chunks (one call over the device tier's layer
+arena), streamed pieces (waiting only for that piece), and the recent tokens (causal) —
+merged exactly. Called with plain tensors (another cache, or none), it falls back to
+transformers' SDPA attention, so an attached model still works with ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from kvtier.attention import SegmentResult, attend_segment, merge
+from kvtier.hf.cache import LayerView, TieredCache, capture_ids
+
+ATTENTION_NAME = "kvtier"
+
+
+@dataclass(frozen=True)
+class PaddingMask:
+    """What the mask hook hands to every layer: the 2D padding mask, plus what SDPA needs.
+
+    Attributes:
+        padding: ``[B, kv_length]`` bool (True = real token), or None (no padding).
+        mask_kwargs: the arguments transformers gave the mask hook, to build an SDPA mask
+            when the layer is not backed by a ``TieredCache``.
+    """
+
+    padding: torch.Tensor | None
+    mask_kwargs: dict[str, Any]
+
+    def sdpa_mask(self) -> torch.Tensor | None:
+        return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**self.mask_kwargs)
+
+
+def padding_mask_hook(**kwargs: Any) -> PaddingMask:
+    """Mask function registered for ``"kvtier"``: pass the padding mask through."""
+    mask = kwargs.get("attention_mask")
+    padding = None if mask is None or bool(mask.all()) else mask.to(torch.bool)
+    return PaddingMask(padding, kwargs)
+
+
+def tiered_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [B, Hq, Sq, D]`` → ``[B, Sq, Hq, D]``."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if not isinstance(key, LayerView):
+        mask = (
+            attention_mask.sdpa_mask()
+            if isinstance(attention_mask, PaddingMask)
+            else attention_mask
+        )
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs
+        )
+    view: LayerView = key
+    cache = view.cache
+    if view.layer_idx == 0:
+        padding = attention_mask.padding if isinstance(attention_mask, PaddingMask) else None
+        cache.observe_padding(padding)
+    out = _attend_layer(cache, view, query, scale)
+    if view.layer_idx == cache.layout.num_layers - 1:
+        cache.end_forward()
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_layer(
+    cache: TieredCache, view: LayerView, query: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Segments of one layer, merged; queries in blocks to bound the score matrix."""
+    plan = cache.plan
+    sq = query.shape[2]
+    block = cache.config.query_block_tokens
+    starts = list(range(0, sq, block))
+    partial: list[list[SegmentResult]] = [[] for _ in starts]
+    q0 = cache.seq_len - sq  # absolute position of the first query
+    if plan.resident:
+        assert cache.device_tier is not None
+        keys, values = cache.device_tier.layer_kv(view.layer_idx)  # [H, S, T, D]
+        heads, dim = keys.shape[0], keys.shape[-1]
+        # Slots lo..hi-1 of this layer, end to end: one [H, n*T, D] sequence, no copy.
+        keys = keys[:, plan.resident_slots].reshape(heads, -1, dim)
+        values = values[:, plan.resident_slots].reshape(heads, -1, dim)
+        _attend_blocks(partial, query, starts, block, keys, values, plan.resident_valid, scale)
+    streamer = cache.streamer
+    assert streamer is not None
+    for j, index in enumerate(plan.pieces_by_layer[view.layer_idx] if plan.pieces else []):
+        keys, values = streamer.acquire(index)  # [H, n*T, D]
+        _attend_blocks(partial, query, starts, block, keys, values, plan.piece_valid[j], scale)
+        streamer.release(index)
+    recent_len = view.recent_key.shape[2]
+    valid_mask = cache.recent_valid(view.recent_start, recent_len)
+    for i, start in enumerate(starts):
+        q = query[:, :, start : start + block]
+        partial[i].append(
+            attend_segment(
+                q,
+                view.recent_key,
+                view.recent_value,
+                scale,
+                query_positions=q0 + start,
+                key_start=view.recent_start,
+                valid_mask=valid_mask,
+            )
+        )
+    outs = [merge(results).out for results in partial]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.to(query.dtype)
+
+
+def _attend_blocks(
+    partial: list[list[SegmentResult]],
+    query: torch.Tensor,
+    starts: list[int],
+    block: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+) -> None:
+    """Attend every query block to sealed chunks ``[H, n*T, D]`` shared by the batch.
+
+    Sealed chunks precede every query, so no causal rule applies; ``valid [B, n*T]`` masks
+    padding and tokens of other rows.
+    """
+    batch = query.shape[0]
+    k = keys.unsqueeze(0).expand(batch, *keys.shape)
+    v = values.unsqueeze(0).expand(batch, *values.shape)
+    for i, start in enumerate(starts):
+        q = query[:, :, start : start + block]
+        partial[i].append(attend_segment(q, k, v, scale, valid_mask=valid))
+
+
+def _capture_ids_hook(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    ids = args[0] if args else kwargs.get("input")
+    model = getattr(module, "_kvtier_model", None)
+    if isinstance(ids, torch.Tensor) and model is not None and model() is not None:
+        capture_ids(model(), ids)
+
+
+def register() -> None:
+    """Register ``"kvtier"`` with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, tiered_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, padding_mask_hook)
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Switch ``model`` to kvtier attention and hook its input embeddings (idempotent)."""
+    import weakref
+
+    register()
+    if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
+    embeddings = model.get_input_embeddings()  # type: ignore[operator]
+    if not getattr(embeddings, "_kvtier_hooked", False):
+        embeddings._kvtier_model = weakref.ref(model)
+        embeddings.register_forward_pre_hook(_capture_ids_hook, with_kwargs=True)
+        embeddings._kvtier_hooked = True
