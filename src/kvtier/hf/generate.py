@@ -64,31 +64,27 @@ def prefill(
     input_ids: torch.Tensor,
     progress: bool = False,
 ) -> int:
-    """Fill ``cache`` with every prompt token but the last; returns the tokens reused.
+    """Fill ``cache`` with the prompt's whole chunks but the last; returns the tokens reused.
 
     Reuses the longest cached prefix when the cache is empty, then runs forward passes over
-    the rest in pieces ending on chunk boundaries.
+    whole chunks. What is left (at most one chunk plus the last token) is for the first
+    forward of ``model.generate``, so no pass is spent on a handful of tokens.
     """
     ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
     reused = cache.reuse_prefix(ids) if cache.seq_len == 0 else 0
     size = cache.layout.chunk_tokens
-    end = ids.shape[1] - 1
+    end = ((ids.shape[1] - 1) // size) * size  # the last chunk boundary before the last token
     bounds = []
     pos = cache.seq_len
-    while pos < end:
-        stop = min(end, (pos // size + 1) * size)
+    while pos < end:  # pieces end on chunk boundaries, so each seals whole chunks
+        stop = (pos // size + 1) * size
         bounds.append((pos, stop))
         pos = stop
-    bar = tqdm(
-        total=end - cache.seq_len,
-        desc="prefill",
-        unit="tok",
-        disable=not progress,
-        leave=False,
-    )
+    device = _device_of(model)
+    bar = tqdm(total=max(0, end - cache.seq_len), desc="prefill", unit="tok", disable=not progress)
     with bar:
         for start, stop in bounds:
-            model(ids[:, start:stop].to(_device_of(model)), cache=cache, use_cache=True)
+            model(ids[:, start:stop].to(device), cache=cache, use_cache=True)
             bar.update(stop - start)
     return reused
 

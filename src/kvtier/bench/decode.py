@@ -1,0 +1,626 @@
+"""Benchmark ``decode``: long-context decode step time with most of the KV off the device.
+
+Question: at a device budget of 10/25/50 % of the KV, how close does kvtier's decode step
+come to the bound max(compute, bytes streamed ÷ link bandwidth), and to the all-resident
+step, when the link is (a) real, (b) fast enough that compute is the bound, (c) so slow
+that the link is the bound?
+
+Baselines (same run, interleaved with kvtier): transformers ``DynamicCache`` with the whole
+KV resident (the compute step), kvtier with prefetch off (synchronous fetch), and
+``DynamicCache(offloading=True)`` where it runs (it needs CUDA streams).
+
+Method. A seeded random-token prompt. The resident baseline prefills once and decodes from
+a deep copy every time. kvtier computes the prompt's KV once (a full kvtier prefill, the
+calibration run) into a shared host tier; every measured kvtier run is a fresh
+``TieredCache`` that adopts the prompt's whole chunks from the host tier (leaving the same
+residency as after its own prefill: sink and newest chunks on the device, the rest
+streamed every step), prefills the last partial chunk, then decodes. Only decode steps
+(first generated token to last) are timed; link bytes are read at the same two instants.
+Greedy tokens are compared with the resident baseline's before any speed is reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
+from kvtier.bench.tiers import memcpy_gbps
+from kvtier.config import HostConfig, LinkConfig, ManagerConfig, TieredCacheConfig
+from kvtier.hf.cache import TieredCache
+from kvtier.hf.generate import TokenClock, prefill
+from kvtier.kv.layout import DTYPES, KVLayout
+from kvtier.manager import KVManager
+from kvtier.transfer import Link, Throttle
+from kvtier.models import load_model, model_identity, random_model
+
+BUDGETS = (0.10, 0.25, 0.50)
+CALIBRATION_BUDGET = 0.25
+# The throttled links: bytes per step ÷ (factor × compute step) GB/s.
+LINK_BOUND_FACTOR = 3.0
+COMPUTE_BOUND_FACTOR = 0.3
+STAGING_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and prompt every case decodes."""
+
+    model: Any
+    model_id: str
+    prompt: torch.Tensor  # [1, S]
+    new_tokens: int
+    layout: KVLayout
+    device: torch.device
+    description: str
+
+    @property
+    def final_kv_nbytes(self) -> int:
+        return self.layout.kv_nbytes(self.prompt.shape[1] + self.new_tokens)
+
+    def greedy_kwargs(self) -> dict[str, Any]:
+        """Exactly ``new_tokens`` greedy steps (EOS suppressed), same for every case."""
+        config = self.model.generation_config
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        if isinstance(pad, list):
+            pad = pad[0]
+        return dict(
+            max_new_tokens=self.new_tokens,
+            min_new_tokens=self.new_tokens,
+            do_sample=False,
+            pad_token_id=0 if pad is None else pad,
+        )
+
+
+@dataclass
+class DecodeRun:
+    """One decode measurement.
+
+    Attributes:
+        step_s: seconds per decode step (first generated token to last, ÷ steps).
+        bytes_per_step: link bytes host→device per decode step (0 for baselines).
+        wait_s_per_step: seconds per step compute waited for the link.
+        tokens: the generated ids.
+        reused_tokens: prompt tokens adopted from the tiers.
+        peak_extra_nbytes: peak device bytes during decode above the run's start (CUDA only).
+    """
+
+    step_s: float
+    bytes_per_step: float = 0.0
+    wait_s_per_step: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    reused_tokens: int = 0
+    peak_extra_nbytes: int | None = None
+
+
+class StepClock(TokenClock):
+    """``TokenClock`` that also samples a counter at every token and resets the CUDA peak
+    memory at the first generated token (so the peak covers decode only)."""
+
+    def __init__(self, counter: Callable[[], tuple[int, float]], device: torch.device) -> None:
+        super().__init__()
+        self.counter = counter
+        self.counts: list[tuple[int, float]] = []
+        self.cuda = device.type == "cuda"
+        self.start_allocated = torch.cuda.memory_allocated(device) if self.cuda else 0
+        self.device = device
+
+    def put(self, value: torch.Tensor) -> None:
+        super().put(value)
+        self.counts.append(self.counter())
+        if self.cuda and len(self.times) == 2:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def run(self, sequences: torch.Tensor, prompt_len: int, reused: int = 0) -> DecodeRun:
+        steps = len(self.times) - 2
+        if steps < 1:
+            raise RuntimeError("decode: fewer than 2 tokens were generated; raise --new-tokens")
+        nbytes = self.counts[-1][0] - self.counts[1][0]
+        wait_s = self.counts[-1][1] - self.counts[1][1]
+        peak = None
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) - self.start_allocated
+        return DecodeRun(
+            step_s=(self.times[-1] - self.times[1]) / steps,
+            bytes_per_step=nbytes / steps,
+            wait_s_per_step=wait_s / steps,
+            tokens=sequences[0, prompt_len:].tolist(),
+            reused_tokens=reused,
+            peak_extra_nbytes=peak,
+        )
+
+
+def use_stock_attention(model: Any) -> None:
+    """Baselines run transformers' own SDPA attention (kvtier re-attaches itself)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        model.set_attn_implementation("sdpa")
+
+
+def random_prompt(vocab_size: int, tokens: int, seed: int) -> torch.Tensor:
+    """``[1, tokens]`` seeded random token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, tokens), generator=gen)
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is not None:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_workload(
+    model_path: str | None,
+    random_shape: str | None,
+    dtype_name: str,
+    device: torch.device,
+    context: int,
+    new_tokens: int,
+    seed: int,
+) -> Workload:
+    """The embedded model (or ``model_path``, or random weights of ``random_shape``)."""
+    if dtype_name not in DTYPES:
+        raise ValueError(f"--dtype: unknown {dtype_name!r}; accepted: {sorted(DTYPES)}")
+    dtype = DTYPES[dtype_name]
+    if random_shape is not None:
+        model = random_model(
+            "llama",
+            shape=random_shape,
+            seed=seed,
+            dtype=dtype,
+            device=device,
+            max_position_embeddings=max(8192, context + new_tokens),
+        )
+        model_id = model_identity(model)
+        description = f"random-weight llama, shape {random_shape}, {dtype_name}"
+    else:
+        loaded = load_model(model_path, dtype=dtype, device=device)
+        model, model_id = loaded.model, loaded.model_id
+        description = f"{model_id} ({dtype_name})"
+    limit = int(getattr(model.config, "max_position_embeddings", context + new_tokens))
+    if context + new_tokens > limit:
+        raise ValueError(
+            f"--context: {context} + {new_tokens} new tokens exceeds the model's context of "
+            f"{limit} tokens; pass a smaller --context"
+        )
+    layout = KVLayout.from_model_config(model.config, dtype, 256)
+    prompt = random_prompt(int(model.config.vocab_size), context, seed)
+    return Workload(model, model_id, prompt, new_tokens, layout, device, description)
+
+
+def link_gbps(device: torch.device) -> tuple[float, str]:
+    """The real host→device link: pinned ``copy_`` on a side stream (CUDA) or memcpy."""
+    if device.type != "cuda":
+        return memcpy_gbps(256 << 20), "memcpy (host and device are both CPU memory)"
+    nbytes = 256 << 20
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device=device)
+    best = 0.0
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return best, "pinned host->device copy_ of 256 MiB on a side stream"
+
+
+def describe_link(gbps: float | None, device: torch.device) -> str:
+    """What ``TieredCache.streamer.describe()`` reports for a link of ``gbps`` (None: real)."""
+    throttle = Throttle(gbps) if gbps is not None else None
+    link = Link("host->device", 1, throttle, device if device.type == "cuda" else None)
+    try:
+        return link.describe()
+    finally:
+        link.close()
+
+
+# ---- the cases -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def prefill_dynamic(work: Workload) -> DynamicCache:
+    """The prompt but its last token in a resident ``DynamicCache`` (kept, copied per run)."""
+    use_stock_attention(work.model)
+    cache = DynamicCache(config=work.model.config)
+    ids = work.prompt[:, :-1].to(work.device)
+    work.model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def decode_dynamic(work: Workload, prefilled: DynamicCache | None) -> DecodeRun:
+    """Resident baseline (from a copy of ``prefilled``), or ``offloading=True`` when None."""
+    use_stock_attention(work.model)
+    clock = StepClock(lambda: (0, 0.0), work.device)
+    if prefilled is not None:
+        cache = copy.deepcopy(prefilled)
+    else:
+        cache = DynamicCache(config=work.model.config, offloading=True)
+    ids = work.prompt.to(work.device)
+    out = work.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        streamer=clock,
+        **work.greedy_kwargs(),
+    )
+    del cache
+    return clock.run(out, ids.shape[1])
+
+
+def new_manager(work: Workload) -> KVManager:
+    """A host tier holding the whole context (the KV every kvtier case streams from)."""
+    layout = work.layout
+    host_nbytes = work.final_kv_nbytes + 4 * layout.chunk_nbytes
+    config = ManagerConfig(
+        chunk_tokens=layout.chunk_tokens, host=HostConfig(capacity_bytes=host_nbytes)
+    )
+    return KVManager(layout, work.model_id, config)
+
+
+def decode_tiered(
+    work: Workload,
+    manager: KVManager,
+    budget_bytes: int,
+    gbps: float | None,
+    prefetch: bool,
+    staging_bytes: int = STAGING_BYTES,
+) -> DecodeRun:
+    """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode."""
+    config = TieredCacheConfig(
+        device_budget_bytes=budget_bytes,
+        staging_bytes=staging_bytes,
+        prefetch=prefetch,
+        link=LinkConfig(gbps=gbps),
+    )
+    cache = TieredCache(work.model, config, manager=manager, model_id=work.model_id)
+    try:
+        ids = work.prompt.to(work.device)
+        reused = prefill(work.model, cache, ids)
+
+        def link_counters() -> tuple[int, float]:
+            link = cache.stats().link
+            return link.bytes, link.wait_s
+
+        clock = StepClock(link_counters, work.device)
+        out = work.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            streamer=clock,
+            **work.greedy_kwargs(),
+        )
+        return clock.run(out, ids.shape[1], reused)
+    finally:
+        cache.close()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration to measure."""
+
+    name: str
+    kind: str  # "resident", "offloading" or "kvtier"
+    budget_fraction: float | None = None
+    budget_bytes: int | None = None
+    gbps: float | None = None  # None: the real link
+    link: str = "real"  # "real", "link-bound", "compute-bound"
+    prefetch: bool = True
+    staging_bytes: int = STAGING_BYTES
+
+
+def budget_bytes_of(work: Workload, fraction: float) -> int:
+    """``fraction`` of the final KV, at least the one tail chunk the cache needs."""
+    return max(int(fraction * work.final_kv_nbytes), work.layout.chunk_nbytes)
+
+
+def offloading_equal_budget(work: Workload) -> tuple[int, int] | None:
+    """kvtier (budget, staging) using the device bytes ``DynamicCache(offloading=True)``
+    keeps: two layers of the final KV (the layer computed and the one prefetched)."""
+    offload_nbytes = 2 * work.final_kv_nbytes // work.layout.num_layers
+    staging = min(STAGING_BYTES, offload_nbytes // 4)
+    budget = offload_nbytes - staging
+    if staging < work.layout.layer_nbytes or budget < work.layout.chunk_nbytes:
+        return None
+    return budget, staging
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def run(work: Workload, repeats: int, real_gbps: float) -> dict[str, Any]:
+    model_kv = work.final_kv_nbytes
+    cuda = work.device.type == "cuda"
+    notes: list[str] = []
+
+    # Resident baseline: fits?  (the kept prefill plus the copy each run decodes from)
+    resident_ok = True
+    if cuda:
+        free, _ = torch.cuda.mem_get_info(work.device)
+        resident_ok = 2 * model_kv + (2 << 30) < free
+        if not resident_ok:
+            notes.append(f"resident DynamicCache skipped: 2 x {model_kv} B KV > {free} B free")
+    prefilled = None
+    ref_tokens: list[int] | None = None
+    timings: dict[str, float] = {}
+    compute_step = float("nan")
+    if resident_ok:
+        start = time.perf_counter()
+        prefilled = prefill_dynamic(work)
+        timings["resident_prefill_s"] = time.perf_counter() - start
+        warm = decode_dynamic(work, prefilled)
+        ref_tokens, compute_step = warm.tokens, warm.step_s
+
+    offloading_error: str | None = None
+    try:
+        start = time.perf_counter()
+        offload_warm = decode_dynamic(work, None)
+        timings["offloading_prefill_and_decode_s"] = time.perf_counter() - start
+        if ref_tokens is None:
+            ref_tokens = offload_warm.tokens
+    except (AssertionError, RuntimeError, AttributeError) as exc:
+        offloading_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        notes.append(f"DynamicCache(offloading=True) unavailable here: {offloading_error}")
+
+    # Calibration: kvtier's full prefill fills the shared host tier; its decode gives the
+    # bytes streamed per step at the 25 % budget.
+    manager = new_manager(work)
+    cal_budget = budget_bytes_of(work, CALIBRATION_BUDGET)
+    start = time.perf_counter()
+    calibration = decode_tiered(work, manager, cal_budget, None, True)
+    timings["kvtier_prefill_and_decode_s"] = time.perf_counter() - start
+    if ref_tokens is None:
+        ref_tokens = calibration.tokens
+        compute_step = calibration.step_s
+        notes.append("no baseline ran: compute step and reference tokens from kvtier itself")
+    bytes_per_step = calibration.bytes_per_step
+    link_bound_gbps = bytes_per_step / (LINK_BOUND_FACTOR * compute_step) / 1e9
+    compute_bound_gbps = bytes_per_step / (COMPUTE_BOUND_FACTOR * compute_step) / 1e9
+    print(
+        f"calibration (25 % budget): {bytes_per_step / 1e6:.1f} MB streamed per step, compute "
+        f"step {compute_step * 1e3:.1f} ms -> link-bound {link_bound_gbps:.3f} GB/s, "
+        f"compute-bound {compute_bound_gbps:.3f} GB/s (real link {real_gbps:.2f} GB/s)"
+    )
+    for gbps in (None, compute_bound_gbps, link_bound_gbps):
+        print(f"  link {describe_link(gbps, work.device)}")
+
+    cases: list[Case] = []
+    if resident_ok:
+        cases.append(Case("resident", "resident"))
+    if offloading_error is None:
+        cases.append(Case("offloading", "offloading"))
+        equal = offloading_equal_budget(work)
+        if equal is not None:
+            budget, staging = equal
+            for prefetch in (True, False):
+                suffix = "" if prefetch else " no-prefetch"
+                cases.append(
+                    Case(
+                        f"kvtier equal-mem real{suffix}",
+                        "kvtier",
+                        budget / model_kv,
+                        budget,
+                        prefetch=prefetch,
+                        staging_bytes=staging,
+                    )
+                )
+    links: list[tuple[str, float | None]] = [("real", None)]
+    for name, gbps in (("compute-bound", compute_bound_gbps), ("link-bound", link_bound_gbps)):
+        if cuda and gbps >= real_gbps:
+            notes.append(f"{name} throttle ({gbps:.1f} GB/s) skipped: above the real link")
+            continue
+        links.append((name, gbps))
+    for fraction in BUDGETS:
+        for link_name, gbps in links:
+            cases.append(
+                Case(
+                    f"kvtier {fraction:.0%} {link_name}",
+                    "kvtier",
+                    fraction,
+                    budget_bytes_of(work, fraction),
+                    gbps,
+                    link_name,
+                )
+            )
+    if any(c.link == "link-bound" for c in cases):
+        cases.append(
+            Case(
+                f"kvtier {CALIBRATION_BUDGET:.0%} link-bound no-prefetch",
+                "kvtier",
+                CALIBRATION_BUDGET,
+                cal_budget,
+                link_bound_gbps,
+                "link-bound",
+                prefetch=False,
+            )
+        )
+
+    def measure(case: Case) -> DecodeRun:
+        if case.kind == "resident":
+            return decode_dynamic(work, prefilled)
+        if case.kind == "offloading":
+            return decode_dynamic(work, None)
+        assert case.budget_bytes is not None
+        return decode_tiered(
+            work, manager, case.budget_bytes, case.gbps, case.prefetch, case.staging_bytes
+        )
+
+    runs: dict[str, list[DecodeRun]] = {c.name: [] for c in cases}
+    for _ in range(repeats):  # interleaved: A B C … A B C …
+        for case in cases:
+            runs[case.name].append(measure(case))
+    manager.close()
+
+    if resident_ok:
+        compute_step = median([r.step_s for r in runs["resident"]])
+    results = {}
+    for case in cases:
+        results[case.name] = summarize(case, runs[case.name], ref_tokens, compute_step, real_gbps)
+    summary = headline(results, compute_step)
+    return {
+        "summary": summary,
+        "cases": results,
+        "calibration": {
+            "bytes_per_step": bytes_per_step,
+            "compute_step_s": compute_step,
+            "link_bound_gbps": link_bound_gbps,
+            "compute_bound_gbps": compute_bound_gbps,
+            "real_link_gbps": real_gbps,
+            "kvtier_calibration_run": asdict(calibration),
+            "reference_tokens": ref_tokens,
+        },
+        "timings": timings,
+        "notes": notes,
+        "offloading_error": offloading_error,
+        "config": {
+            "model": work.description,
+            "context": int(work.prompt.shape[1]),
+            "new_tokens": work.new_tokens,
+            "repeats": repeats,
+            "final_kv_nbytes": model_kv,
+            "layout": work.layout.fingerprint(),
+            "chunk_nbytes": work.layout.chunk_nbytes,
+            "budgets": list(BUDGETS),
+            "link_bound_factor": LINK_BOUND_FACTOR,
+            "compute_bound_factor": COMPUTE_BOUND_FACTOR,
+        },
+    }
+
+
+def summarize(
+    case: Case,
+    case_runs: list[DecodeRun],
+    ref_tokens: list[int],
+    compute_step: float,
+    real_gbps: float,
+) -> dict[str, Any]:
+    """Median figures of one case; the bound uses the case's link (throttle or real)."""
+    step = median([r.step_s for r in case_runs])
+    nbytes = median([r.bytes_per_step for r in case_runs])
+    gbps = case.gbps if case.gbps is not None else real_gbps
+    bound = max(compute_step, nbytes / (gbps * 1e9))
+    identical = all(r.tokens == ref_tokens for r in case_runs)
+    mismatch = None
+    for r in case_runs:
+        diff = [i for i, (a, b) in enumerate(zip(r.tokens, ref_tokens, strict=False)) if a != b]
+        if diff:
+            mismatch = diff[0]
+            break
+    peaks = [r.peak_extra_nbytes for r in case_runs if r.peak_extra_nbytes is not None]
+    return {
+        **asdict(case),
+        "step_s": step,
+        "steps_s": [r.step_s for r in case_runs],
+        "bytes_per_step": nbytes,
+        "wait_s_per_step": median([r.wait_s_per_step for r in case_runs]),
+        "bound_s": bound,
+        "efficiency": bound / step,
+        "vs_resident": step / compute_step,
+        "tokens_identical": identical,
+        "first_mismatch": mismatch,
+        "reused_tokens": case_runs[0].reused_tokens,
+        "peak_extra_nbytes": max(peaks) if peaks else None,
+    }
+
+
+def headline(results: dict[str, dict[str, Any]], compute_step: float) -> dict[str, Any]:
+    """The stable summary keys (NaN where the run had no such case)."""
+    nan = float("nan")
+
+    def step(name: str) -> float:
+        return float(results[name]["step_s"]) if name in results else nan
+
+    b = f"{CALIBRATION_BUDGET:.0%}"
+    link_bound = results.get(f"kvtier {b} link-bound", {})
+    summary: dict[str, Any] = {
+        "link_bound_efficiency": link_bound.get("efficiency", nan),
+        "speedup_vs_no_prefetch": step(f"kvtier {b} link-bound no-prefetch")
+        / step(f"kvtier {b} link-bound"),
+        "compute_bound_vs_resident": step(f"kvtier {b} compute-bound") / compute_step,
+        "real_link_vs_resident": step(f"kvtier {b} real") / compute_step,
+        "resident_step_ms": compute_step * 1e3,
+        "tokens_identical": all(r["tokens_identical"] for r in results.values()),
+    }
+    if "offloading" in results and "kvtier equal-mem real" in results:
+        summary["offloading_vs_kvtier_equal_mem"] = step("offloading") / step(
+            "kvtier equal-mem real"
+        )
+    return summary
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    print(
+        f"{'case':<36}{'budget MB':>10}{'GB/s':>8}{'step ms':>9}{'MB/step':>9}"
+        f"{'bound ms':>9}{'eff':>6}{'x res':>7}  tokens"
+    )
+    for name, r in results.items():
+        budget = f"{r['budget_bytes'] / 1e6:.1f}" if r["budget_bytes"] else "all"
+        gbps = f"{r['gbps']:.3f}" if r["gbps"] is not None else "real"
+        ok = "same" if r["tokens_identical"] else f"DIFF@{r['first_mismatch']}"
+        print(
+            f"{name:<36}{budget:>10}{gbps:>8}{r['step_s'] * 1e3:>9.1f}"
+            f"{r['bytes_per_step'] / 1e6:>9.1f}{r['bound_s'] * 1e3:>9.1f}"
+            f"{r['efficiency']:>6.2f}{r['vs_resident']:>7.2f}  {ok}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser("decode", __doc__.splitlines()[0] if __doc__ else "decode")
+    parser.add_argument("--model", default=None, help="HF model folder or .gguf (default: embedded)")
+    parser.add_argument("--random-shape", default=None, help="random-weight llama of this shape")
+    parser.add_argument("--dtype", default="float32", help=f"one of {sorted(DTYPES)}")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens (4096; quick 2048)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="decoded (16; quick 6)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (2; quick 1)")
+    args = parser.parse_args(argv)
+    context = args.context or (2048 if args.quick else 4096)
+    new_tokens = args.new_tokens or (6 if args.quick else 16)
+    repeats = args.repeats or (1 if args.quick else 2)
+    if context < 512 or new_tokens < 3 or repeats < 1:
+        raise ValueError("--context >= 512, --new-tokens >= 3 and --repeats >= 1 are needed")
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    work = load_workload(
+        args.model, args.random_shape, args.dtype, device, context, new_tokens, args.seed
+    )
+    real_gbps, real_desc = link_gbps(device)
+    links = {
+        "measured": f"{real_desc}: {real_gbps:.2f} GB/s",
+        "kvtier unthrottled": describe_link(None, device),
+    }
+    info = machine_info(links)
+    print_machine(info)
+    print(
+        f"model: {work.description}; context {context} + {new_tokens} new tokens; "
+        f"final KV {work.final_kv_nbytes / 1e6:.1f} MB; repeats {repeats}"
+    )
+    result = run(work, repeats, real_gbps)
+    for name in ("link-bound", "compute-bound"):
+        gbps = result["calibration"][name.replace("-", "_") + "_gbps"]
+        links[f"kvtier {name}"] = describe_link(gbps, device)
+    result["machine"] = info
+    print_table(result["cases"])
+    for note in result["notes"]:
+        print(f"note: {note}")
+    write_json(args.json, result)
+    s = result["summary"]
+    print(
+        f"summary: link-bound efficiency {s['link_bound_efficiency']:.2f}, "
+        f"{s['speedup_vs_no_prefetch']:.2f}x vs no prefetch, compute-bound step "
+        f"{s['compute_bound_vs_resident']:.2f}x resident, tokens identical "
+        f"{s['tokens_identical']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
