@@ -114,7 +114,10 @@ def run(quick: bool, seed: int, folder: Path | None) -> dict[str, Any]:
             "disk_read_gbps": lambda: tier_get_gbps(disk, chunks, out),
         }
         samples = interleave(cases, repeats)
-        disk_desc = disk.describe() if hasattr(disk, "describe") else "disk tier"
+        disk_desc = (
+            f"segments in {workdir}, O_DIRECT {'on' if disk.o_direct else 'off'}, "
+            f"fdatasync per put {'on' if disk.fsync else 'off'}"
+        )
         host.close()
         disk.close()
     finally:
