@@ -160,19 +160,30 @@ def attend_segment(
         if extra.dtype == torch.bool:
             extra = torch.zeros(extra.shape, device=query.device).masked_fill_(~extra, -math.inf)
         additive = extra.to(torch.float32) if additive is None else additive + extra
-    flat_mask = None
+    flat_mask = seen = None
     if additive is not None:
-        full = additive.expand(b, hkv, groups, sq, sk)
-        flat_mask = full.reshape(b, hkv, groups * sq, sk)
-    out, lse = _attend_flat(q, k, v, flat_mask, scale)
+        # Materialise the mask only over what differs: [B|1, Hkv|1, G*Sq, Sk], then broadcast
+        # (stride 0) over batch and heads; the fused kernel reads broadcast masks.
+        mb, mh = additive.shape[0], additive.shape[1]
+        compact = additive.expand(mb, mh, groups, sq, sk).reshape(mb, mh, groups * sq, sk)
+        flat_mask = compact.expand(b, hkv, groups * sq, sk)
+        # Which query rows see at least one key: [B|1, Hkv|1, G*Sq] -> [B, Hkv, G*Sq].
+        source = allowed if mask is None and allowed is not None else torch.isfinite(compact)
+        rows = source.any(dim=-1)
+        if mask is None:
+            rows = rows.expand(mb, mh, groups, sq).reshape(mb, mh, groups * sq)
+        seen = rows.expand(b, hkv, groups * sq)
+    out, lse = _attend_flat(q, k, v, flat_mask, scale, seen)
     return SegmentResult(out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq))
 
 
 def _attend_flat(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, seen: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention with log-sum-exp, float32: ``q [N, H, M, D]``, ``k, v [N, H, K, D]``,
-    optional additive ``mask [N, H, M, K]`` → ``(out [N, H, M, D], lse [N, H, M])``.
+    optional additive ``mask [N, H, M, K]`` (may broadcast) → ``(out [N, H, M, D],
+    lse [N, H, M])``. ``seen [N, H, M]`` says which rows have a visible key (computed from the
+    mask when not given).
 
     On the CPU this is torch's fused flash kernel (it returns the log-sum-exp); elsewhere a
     plain matmul softmax. Rows that see no key come back as ``out = 0``, ``lse = -inf``.
@@ -183,7 +194,8 @@ def _attend_flat(
         )
         if mask is not None:
             # The kernel reports lse = 0 for a row whose keys are all masked.
-            seen = torch.isfinite(mask).any(dim=-1)  # [N, H, M]
+            if seen is None:
+                seen = torch.isfinite(mask).any(dim=-1)  # [N, H, M]
             lse = torch.where(seen, lse, torch.full_like(lse, -math.inf))
             out = out * seen.unsqueeze(-1)
         return out, lse
