@@ -1,0 +1,372 @@
+"""The serving engine: admission queue, a worker that generates, token streaming, stats.
+
+Current limitation: the worker serves **one request at a time** (admission order, no
+batching). Each request reuses the longest cached prefix of its prompt from any tier,
+prefills the rest in chunk-sized pieces, then decodes token by token with its own sampling
+parameters. The continuous-batching scheduler (a later step) replaces ``_serve`` with a
+``step()`` over many sequences: schedule → run one batched forward → postprocess; the
+request, handle, sampling and stats types stay as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.request import (
+    ContextLengthError,
+    EngineClosedError,
+    FinishReason,
+    ParamError,
+    QueueFullError,
+    Request,
+    RequestHandle,
+    SamplingParams,
+    TokenEvent,
+    as_prompt_ids,
+)
+from kvtier.engine.sampling import TextStream, make_generator, sample
+from kvtier.engine.stats import EngineStats, LatencyHistogram
+from kvtier.hf import TieredCache
+from kvtier.hf.generate import prefill
+from kvtier.kv import KVLayout
+from kvtier.manager import KVManager
+from kvtier.models import load_model, model_identity
+
+
+class Engine:
+    """Generates for queued requests from one model, over kvtier's tiers.
+
+    Every request is served through the engine's ``TieredCache`` (its own device tier and
+    device⇄host link) over one shared ``KVManager`` (host and disk tiers). Sealed chunks
+    stay in the tiers after a request, so a later request or conversation turn that shares
+    a prefix adopts that KV instead of recomputing it; the device tier is kept between
+    requests (only ``reset``), so recent chunks are found there first.
+
+    **Limitation of this step:** one request is generated at a time, in admission order;
+    the others wait in the queue. The continuous-batching scheduler will lift this.
+
+    Thread-safety: ``submit``, ``stats`` and ``close`` may be called from any thread. The
+    model, the tokenizer's decode and the cache are used only by the worker thread (and
+    by ``encode``/``encode_chat``, which only tokenize).
+
+    Args:
+        model: a transformers causal LM (eval mode); its attention is switched to kvtier's.
+        tokenizer: its tokenizer.
+        config: queue bound, context limit, device cache and tiers.
+        model_id: identity of the weights in chunk keys (default: a digest of the model).
+        manager: share tiers with other engines; the caller then closes it. Default: the
+            engine builds one from ``config.manager`` and closes it in ``close``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig | None = None,
+        *,
+        model_id: str | None = None,
+        manager: KVManager | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id or model_identity(model)
+        self.device = next(model.parameters()).device
+        text_config = model.config.get_text_config()
+        self.max_model_len = self.config.max_model_len or int(text_config.max_position_embeddings)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._owns_manager = manager is None
+        if manager is None:
+            dtype = next(model.parameters()).dtype
+            chunk_tokens = self.config.manager.chunk_tokens
+            layout = KVLayout.from_model_config(model.config, dtype, chunk_tokens)
+            manager = KVManager(layout, self.model_id, self.config.manager)
+        self.manager = manager
+        self.cache = self._new_cache()
+        self._cond = threading.Condition()
+        self._queue: deque[RequestHandle] = deque()
+        self._running: RequestHandle | None = None
+        self._closing = False
+        self._closed = False
+        self._ids = itertools.count()
+        self._counts = dict.fromkeys(
+            (
+                "submitted",
+                "finished",
+                "cancelled",
+                "failed",
+                "rejected",
+                "prompt_tokens",
+                "generated_tokens",
+                "reused_tokens",
+            ),
+            0,
+        )
+        self._reused_by_tier: dict[str, int] = {}
+        self._ttft = LatencyHistogram()
+        self._inter_token = LatencyHistogram()
+        self._worker = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | None = None,
+        config: EngineConfig | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+    ) -> Engine:
+        """An engine over ``kvtier.models.load_model(path)`` (None: the embedded model)."""
+        loaded = load_model(path, dtype=dtype, device=device)
+        return cls(loaded.model, loaded.tokenizer, config, model_id=loaded.model_id)
+
+    # ---- tokenizing ------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a plain-text prompt (with the tokenizer's usual special tokens)."""
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation, formatted by the tokenizer's chat template and
+        ending with the assistant's turn prompt."""
+        if not messages:
+            raise ParamError("messages", "must hold at least one message")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ParamError(
+                "messages", "this model's tokenizer has no chat template; use completions"
+            )
+        text = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Queue a request; returns its handle at once (generation runs on the worker).
+
+        Raises:
+            ParamError: an empty prompt or a token id outside the vocabulary.
+            ContextLengthError: prompt plus ``max_tokens`` exceed ``max_model_len``.
+            QueueFullError: ``config.max_queued`` requests are already waiting.
+            EngineClosedError: ``close`` has been called.
+        """
+        params = params or SamplingParams()
+        ids = as_prompt_ids(self.encode(prompt) if isinstance(prompt, str) else prompt)
+        self._check_fits(ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(Request(request_id, ids, params))
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("the engine is shutting down and accepts no requests")
+            if len(self._queue) >= self.config.max_queued:
+                self._counts["rejected"] += 1
+                raise QueueFullError(
+                    f"the request queue is full ({self.config.max_queued} waiting); retry later"
+                )
+            self._queue.append(handle)
+            self._counts["submitted"] += 1
+            self._cond.notify_all()
+        return handle
+
+    def _check_fits(self, ids: tuple[int, ...], params: SamplingParams) -> None:
+        if max(ids) >= self.vocab_size:
+            raise ParamError(
+                "prompt", f"token id {max(ids)} is outside the vocabulary (size {self.vocab_size})"
+            )
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                "prompt" if len(ids) >= self.max_model_len else "max_tokens",
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{total} were requested ({len(ids)} in the prompt, {params.max_tokens} for "
+                "the output); shorten the prompt or lower max_tokens",
+            )
+
+    def stats(self) -> EngineStats:
+        """A snapshot of counters, latencies and the tiers' stats."""
+        with self._cond:
+            counts = dict(self._counts)
+            by_tier = dict(self._reused_by_tier)
+            depth, running = len(self._queue), int(self._running is not None)
+        return EngineStats(
+            requests_submitted=counts["submitted"],
+            requests_finished=counts["finished"],
+            requests_cancelled=counts["cancelled"],
+            requests_failed=counts["failed"],
+            requests_rejected=counts["rejected"],
+            queue_depth=depth,
+            running=running,
+            prompt_tokens=counts["prompt_tokens"],
+            generated_tokens=counts["generated_tokens"],
+            reused_tokens=counts["reused_tokens"],
+            reused_tokens_by_tier=by_tier,
+            ttft=self._ttft.snapshot(),
+            inter_token=self._inter_token.snapshot(),
+            manager=self.manager.stats(),
+            cache=self.cache.stats() if self.cache.device_tier is not None else None,
+        )
+
+    @property
+    def closed(self) -> bool:
+        with self._cond:
+            return self._closing
+
+    def close(self, drain: bool = True) -> None:
+        """Stop accepting requests, finish or cancel the rest, and release the tiers.
+
+        With ``drain`` every queued and running request is generated to its end; without,
+        they end with ``finish_reason="cancelled"``. Then the cache is closed and, when the
+        engine owns its manager, the manager too — after writing the host tier to disk
+        when a disk tier is configured, so a restart finds the sessions' KV. Blocks until
+        done; idempotent.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = self._closing = True
+            if not drain:
+                for handle in self._queue:
+                    handle.cancel()
+                if self._running is not None:
+                    self._running.cancel()
+            self._cond.notify_all()
+        self._worker.join()
+        self.cache.close()
+        if self._owns_manager:
+            self.manager.close(flush_host_to_disk=self.manager.disk is not None)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the worker ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.no_grad():  # grad mode is per thread
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closing:
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    handle = self._running = self._queue.popleft()
+                try:
+                    self._serve(handle)
+                except Exception as exc:
+                    self._count("failed")
+                    handle.fail(exc)
+                    self.cache.close()  # its state is unknown after an error: start afresh
+                    self.cache = self._new_cache()
+                finally:
+                    self.cache.reset()
+                    with self._cond:
+                        self._running = None
+
+    def _serve(self, handle: RequestHandle) -> FinishReason:
+        request, params = handle.request, handle.request.params
+        if handle.cancelled:
+            self._count("cancelled")
+            handle.put(TokenEvent(request.request_id, None, "", True, "cancelled"))
+            return "cancelled"
+        ids = torch.tensor([request.prompt_ids], dtype=torch.long)  # [1, S]
+        cache = self.cache
+        cache.reset()
+        tiers = self._prefix_tiers(request.prompt_ids)
+        reused = prefill(self.model, cache, ids)  # adopts the cached prefix, then whole chunks
+        handle.reused_tokens = reused
+        self._count_prompt(len(request.prompt_ids), reused, tiers)
+        logits = self._forward(ids[:, cache.seq_len :])  # [V] for the next token
+        generator = None if params.greedy else make_generator(params.seed, logits.device)
+        text = TextStream(self.tokenizer, params.stop, request.prompt_ids)
+        last_s = request.arrival_s
+        for step in range(params.max_tokens):
+            token = sample(logits, params, generator)
+            delta = text.push(token)
+            reason: FinishReason | None = None
+            if text.stopped or (token in self.eos_ids and not params.ignore_eos):
+                reason = "stop"
+            elif step + 1 == params.max_tokens:
+                reason = "length"
+            elif handle.cancelled:
+                reason = "cancelled"
+            if reason is not None and not text.stopped:
+                delta += text.flush()
+            now = time.perf_counter()
+            (self._ttft if step == 0 else self._inter_token).observe(now - last_s)
+            last_s = now
+            self._count("generated_tokens")
+            if reason is not None:  # counted before the caller can see the end
+                self._count("cancelled" if reason == "cancelled" else "finished")
+            handle.put(TokenEvent(request.request_id, token, delta, reason is not None, reason))
+            if reason is not None:
+                return reason
+            logits = self._forward(torch.tensor([[token]], dtype=torch.long))
+        raise AssertionError("unreachable: the last step always finishes")
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """One forward of ``ids [1, N]`` through the cache; the last position's logits."""
+        out = self.model(ids.to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]  # [V]
+
+    def _prefix_tiers(self, prompt_ids: Sequence[int]) -> list[str]:
+        """For each cached leading chunk of the prompt, the tier that holds it now."""
+        size = self.manager.layout.chunk_tokens
+        limit = ((len(prompt_ids) - 1) // size) * size  # reuse_prefix leaves the last token
+        device = self.cache.device_tier
+        names: list[str] = []
+        for ref in self.manager.refs_for(list(prompt_ids[:limit])):
+            if device is not None and device.contains(ref):
+                names.append("device")
+                continue
+            tier = self.manager.locate(ref)
+            if tier is None:
+                break
+            names.append(tier.name)
+        return names
+
+    def _count_prompt(self, prompt_tokens: int, reused: int, tiers: list[str]) -> None:
+        size = self.manager.layout.chunk_tokens
+        with self._cond:
+            self._counts["prompt_tokens"] += prompt_tokens
+            self._counts["reused_tokens"] += reused
+            for name in tiers[: reused // size]:
+                self._reused_by_tier[name] = self._reused_by_tier.get(name, 0) + size
+
+    def _count(self, name: str) -> None:
+        with self._cond:
+            self._counts[name] += 1
+
+    def _new_cache(self) -> TieredCache:
+        return TieredCache(self.model, self.config.cache, self.manager, model_id=self.model_id)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids: the generation config's (one or a list) and the tokenizer's."""
+    ids: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, (list, tuple)):
+        ids.update(int(t) for t in configured)
+    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

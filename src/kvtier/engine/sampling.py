@@ -1,0 +1,139 @@
+"""Picking the next token, and turning tokens into text that respects stop strings.
+
+``sample`` is a pure function of the logits, the parameters and the request's own
+``torch.Generator``: the same seed gives the same tokens whatever else the engine runs.
+``TextStream`` detokenizes incrementally and cuts the output at the first stop string,
+holding back only the text that could still become one.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtier.engine.request import SamplingParams
+
+# Prompt tokens decoded ahead of the output, so the first output token gets the spacing it
+# has in context (SentencePiece tokenizers drop a leading space when decoding alone).
+_CONTEXT_TOKENS = 5
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random generator; ``seed=None`` draws a fresh seed."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return generator
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set the logits outside top-k and top-p to -inf; ``[..., V]`` in, same shape out.
+
+    Top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p``
+    (always at least one token). ``top_k=0`` and ``top_p=1`` keep everything.
+    """
+    out = logits.clone()
+    vocab = out.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the more likely ones already reach top_p.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
+    """The next token from ``logits [V]``: argmax at temperature 0, else a seeded draw."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / params.temperature
+    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextStream:
+    """Incremental detokenizer with stop strings, for one request.
+
+    ``push`` takes each generated token and returns the text that can be shown now: whole
+    characters only, and never text that may still turn out to start a stop string. Once a
+    stop string appears, the output is cut before it and ``stopped`` is True.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        stop: the stop strings.
+        prompt_ids: the prompt (its last tokens give the first output token its context).
+    """
+
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str] = (), prompt_ids: Sequence[int] = ()
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._ids: list[int] = context
+        self._prefix_offset = 0  # decoding starts here (context for the next piece)
+        self._read_offset = len(context)  # tokens before this are already in ``text``
+        self.text = ""  # the output text decoded so far
+        self.sent = 0  # characters of ``text`` already returned
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add a generated token; returns the newly showable text (possibly empty)."""
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        before = len(self.text)
+        self.text += self._decode_new()
+        if not self.stop:
+            return self._take(len(self.text))
+        # A new match must end in the new text, so it starts at most one stop length back.
+        search_from = max(0, before - self._longest_stop + 1)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            cut = min(hits)
+            self.stopped = True
+            self.text = self.text[:cut]
+            return self._take(cut)
+        return self._take(len(self.text) - self._partial_stop_len())
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a request that did not hit a stop string."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        end = max(end, self.sent)
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def _decode_new(self) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new, or the token ends inside a UTF-8 character: wait
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest end of ``text`` that is the start of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,132 @@
+"""Engine counters and latency histograms, read as consistent snapshots.
+
+Histograms have fixed buckets (what Prometheus exposes) and also keep the most recent
+samples, so benchmarks can report exact percentiles without unbounded memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtier.hf.cache import CacheStats
+from kvtier.manager import ManagerStats
+
+# Seconds; spans an inter-token gap on a GPU to a long prefill behind a queue on a CPU.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """A histogram at one moment.
+
+    Attributes:
+        bounds_s: upper bounds of the buckets (seconds); an implicit +Inf bucket follows.
+        counts: samples per bucket, not cumulative; one more entry than ``bounds_s``.
+        sum_s: sum of every sample.
+        count: number of samples.
+        recent_s: the most recent samples (at most ``LatencyHistogram.keep_recent``).
+    """
+
+    bounds_s: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum_s: float
+    count: int
+    recent_s: tuple[float, ...] = ()
+
+    def percentile(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of the recent samples; 0.0 when empty."""
+        if not self.recent_s:
+            return 0.0
+        ordered = sorted(self.recent_s)
+        index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+        return ordered[index]
+
+
+class LatencyHistogram:
+    """A thread-safe latency histogram with fixed buckets and a window of recent samples."""
+
+    def __init__(
+        self, bounds_s: tuple[float, ...] = LATENCY_BUCKETS_S, keep_recent: int = 10_000
+    ) -> None:
+        self.bounds_s = bounds_s
+        self.keep_recent = keep_recent
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(bounds_s) + 1)
+        self._sum_s = 0.0
+        self._count = 0
+        self._recent: deque[float] = deque(maxlen=keep_recent)
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.bounds_s, seconds)] += 1
+            self._sum_s += seconds
+            self._count += 1
+            self._recent.append(seconds)
+
+    def snapshot(self) -> HistogramSnapshot:
+        with self._lock:
+            return HistogramSnapshot(
+                self.bounds_s, tuple(self._counts), self._sum_s, self._count, tuple(self._recent)
+            )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine has done so far.
+
+    Attributes:
+        requests_submitted: requests accepted into the queue.
+        requests_finished: requests that ended with ``stop`` or ``length``.
+        requests_cancelled: requests cancelled by their caller.
+        requests_failed: requests that raised inside the engine.
+        requests_rejected: ``submit`` calls refused because the queue was full.
+        queue_depth: requests waiting for admission now.
+        running: requests being generated now.
+        prompt_tokens: prompt tokens of admitted requests.
+        generated_tokens: tokens generated.
+        reused_tokens: prompt tokens whose KV was adopted from the tiers, not computed.
+        reused_tokens_by_tier: the same, by the tier that held each chunk at admission.
+        ttft: time to first token, from submission (queueing included).
+        inter_token: time between consecutive tokens of a request.
+        manager: the shared tiers (host, disk) and the host⇄disk link.
+        cache: the device tier and the device⇄host link of the engine's cache; None before
+            the first request.
+    """
+
+    requests_submitted: int
+    requests_finished: int
+    requests_cancelled: int
+    requests_failed: int
+    requests_rejected: int
+    queue_depth: int
+    running: int
+    prompt_tokens: int
+    generated_tokens: int
+    reused_tokens: int
+    reused_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    ttft: HistogramSnapshot | None = None
+    inter_token: HistogramSnapshot | None = None
+    manager: ManagerStats | None = None
+    cache: CacheStats | None = None

@@ -1,0 +1,121 @@
+"""Prometheus metrics of one engine, read from its stats on every scrape.
+
+A custom collector (no state of its own): tier counters and occupancy, link bytes, rate
+and stall time, queue depth, request and token counters, and the TTFT and inter-token
+latency histograms that the engine keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvtier.engine import Engine, HistogramSnapshot
+from kvtier.tiers.base import TierStats
+from kvtier.transfer import LinkStats
+
+_TIER_COUNTERS = (
+    ("hits", "chunk reads served"),
+    ("misses", "chunk reads not found"),
+    ("bytes_in", "bytes written into the tier"),
+    ("bytes_out", "bytes read out of the tier"),
+    ("evictions", "chunks evicted"),
+)
+
+
+class EngineCollector(Collector):
+    """Reads ``engine.stats()`` (and tier occupancy) at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        tiers: dict[str, TierStats] = {}
+        links: dict[str, LinkStats] = {}
+        if stats.cache is not None:
+            tiers["device"] = stats.cache.device
+            links["device<->host"] = stats.cache.link
+        if stats.manager is not None:
+            tiers.update(stats.manager.tiers)
+            links.update(stats.manager.links)
+        for attr, doc in _TIER_COUNTERS:
+            family = CounterMetricFamily(f"kvtier_tier_{attr}", f"KV tier: {doc}", labels=["tier"])
+            for name, tier in tiers.items():
+                family.add_metric([name], getattr(tier, attr))
+            yield family
+        yield from self._occupancy()
+        link_bytes = CounterMetricFamily("kvtier_link_bytes", "bytes moved", labels=["link"])
+        gbps = GaugeMetricFamily("kvtier_link_gbps", "achieved GB/s while busy", labels=["link"])
+        stall = CounterMetricFamily(
+            "kvtier_link_stall_seconds", "seconds compute waited on the link", labels=["link"]
+        )
+        for name, link in links.items():
+            link_bytes.add_metric([name], link.bytes)
+            gbps.add_metric([name], link.achieved_gbps)
+            stall.add_metric([name], link.wait_s)
+        yield from (link_bytes, gbps, stall)
+        yield GaugeMetricFamily("kvtier_queue_depth", "requests waiting", value=stats.queue_depth)
+        yield GaugeMetricFamily("kvtier_requests_running", "requests generating", stats.running)
+        requests = CounterMetricFamily("kvtier_requests", "requests by outcome", labels=["outcome"])
+        for outcome, value in (
+            ("finished", stats.requests_finished),
+            ("cancelled", stats.requests_cancelled),
+            ("failed", stats.requests_failed),
+            ("rejected", stats.requests_rejected),
+        ):
+            requests.add_metric([outcome], value)
+        yield requests
+        yield CounterMetricFamily("kvtier_prompt_tokens", "prompt tokens", stats.prompt_tokens)
+        yield CounterMetricFamily(
+            "kvtier_generation_tokens", "generated tokens", stats.generated_tokens
+        )
+        reused = CounterMetricFamily(
+            "kvtier_reused_tokens", "prompt tokens reused, by source tier", labels=["tier"]
+        )
+        for name, value in stats.reused_tokens_by_tier.items():
+            reused.add_metric([name], value)
+        yield reused
+        if stats.ttft is not None:
+            yield _histogram(
+                "kvtier_time_to_first_token_seconds", "submission to first token", stats.ttft
+            )
+        if stats.inter_token is not None:
+            yield _histogram(
+                "kvtier_inter_token_latency_seconds", "gap between tokens", stats.inter_token
+            )
+
+    def _occupancy(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily("kvtier_tier_used_bytes", "bytes held", labels=["tier"])
+        capacity = GaugeMetricFamily("kvtier_tier_capacity_bytes", "bytes budget", labels=["tier"])
+        device = self.engine.cache.device_tier
+        tiers = ([device] if device is not None else []) + list(self.engine.manager.tiers)
+        for tier in tiers:
+            used.add_metric([tier.name], tier.used_bytes)
+            capacity.add_metric([tier.name], tier.capacity_bytes)
+        yield from (used, capacity)
+
+
+def _histogram(name: str, doc: str, snap: HistogramSnapshot) -> HistogramMetricFamily:
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip(snap.bounds_s, snap.counts, strict=False):
+        running += count
+        buckets.append((repr(float(bound)), running))
+    buckets.append(("+Inf", snap.count))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snap.sum_s)
+
+
+def registry_for(engine: Engine) -> CollectorRegistry:
+    """A fresh registry holding only this engine's collector (one per app)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine))
+    return registry

@@ -1,0 +1,198 @@
+"""The OpenAI wire format: request models (validated strictly) and response bodies.
+
+Field names follow OpenAI's API. Types are strict (``"5"`` is not a number), fields this
+server does not know are ignored, and known fields outside their range are rejected with
+the field's name. Extensions: ``top_k`` and ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from kvtier.engine import Completion, ParamError, SamplingParams
+
+# What a union-typed field accepts, for error messages (pydantic reports each member).
+EXPECTED = {
+    "prompt": "a string or a list of token ids",
+    "stop": "a string, a list of strings, or null",
+    "content": "a string or a list of text parts",
+}
+
+# OpenAI's default for /v1/completions; chat completions default to the rest of the context.
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters; ``ParamError`` names a field out of range."""
+        if self.n not in (None, 1):
+            raise ParamError("n", f"only n=1 is supported, got {self.n}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            max_tokens=max_tokens,
+            stop=stop,
+            seed=self.seed,
+            ignore_eos=bool(self.ignore_eos),
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``; one prompt (a one-element list is accepted)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ParamError("prompt", "send one prompt per request (batches unsupported)")
+            return prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content
+        text = "".join(p.text for p in content) if isinstance(content, list) else content or ""
+        # Chat templates know "system"; "developer" is OpenAI's newer name for it.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` are the prompt tokens reused from the tiers."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(request_id: str, model: str, completion: Completion) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": completion.text,
+                "logprobs": None,
+                "finish_reason": completion.finish_reason,
+            }
+        ],
+        "usage": _usage_of(completion),
+    }
+
+
+def chat_body(request_id: str, model: str, completion: Completion) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": None,
+                "finish_reason": completion.finish_reason,
+            }
+        ],
+        "usage": _usage_of(completion),
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_chunk(
+    request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(request_id: str, model: str, obj: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": body,
+    }
+
+
+def _usage_of(completion: Completion) -> dict[str, Any]:
+    return usage_body(
+        len(completion.prompt_ids), len(completion.token_ids), completion.reused_tokens
+    )

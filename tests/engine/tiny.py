@@ -1,0 +1,78 @@
+"""A tiny random-weight llama with the embedded model's tokenizer, and engine configs for it.
+
+The tokenizer is the embedded SmolLM2's (real text, real chat template, valid ids); the
+weights are random and tiny, so generation runs in milliseconds per token on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DynamicCache
+
+from kvtier.config import DiskConfig, HostConfig, ManagerConfig, TieredCacheConfig
+from kvtier.engine import EngineConfig
+from kvtier.kv import KVLayout
+from kvtier.models import (
+    ModelLoadError,
+    converted_folder,
+    embedded_gguf_path,
+    load_model,
+    model_config,
+    random_model,
+)
+
+CHUNK = 16
+
+
+@functools.cache
+def embedded_tokenizer() -> Any:
+    """The embedded model's tokenizer (from its converted folder; converts it if needed)."""
+    try:
+        folder = converted_folder(embedded_gguf_path())
+        if (folder / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return load_model().tokenizer
+    except ModelLoadError as exc:
+        pytest.skip(f"embedded model unavailable: {exc}")
+
+
+def tiny_model(tokenizer: Any, seed: int = 0) -> Any:
+    return random_model("llama", seed=seed, vocab_size=len(tokenizer))
+
+
+def engine_config(
+    max_queued: int = 64, disk_dir: str | None = None, host_chunks: int = 512
+) -> EngineConfig:
+    """Small tiers in 16-token chunks: an 8-chunk device budget, a host pool, maybe disk."""
+    shape = model_config("llama")  # the tiny shape; the layout does not depend on the vocabulary
+    chunk_nbytes = KVLayout.from_model_config(shape, torch.float32, CHUNK).chunk_nbytes
+    return EngineConfig(
+        max_queued=max_queued,
+        cache=TieredCacheConfig(
+            device_budget_bytes=8 * chunk_nbytes, staging_bytes=4 * chunk_nbytes
+        ),
+        manager=ManagerConfig(
+            chunk_tokens=CHUNK,
+            host=HostConfig(capacity_bytes=host_chunks * chunk_nbytes),
+            disk=DiskConfig(path=disk_dir, fsync=False),
+        ),
+    )
+
+
+def reference_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from transformers ``generate`` with its own ``DynamicCache``."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=DynamicCache(config=model.config),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return list(out[0, len(prompt_ids) :].tolist())

@@ -1,0 +1,104 @@
+"""``kvtier serve`` as a process: SIGTERM drains in-flight streams and flushes the host tier
+to disk, so an engine restarted on the same disk directory reuses that KV."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from kvtier.engine import Engine, SamplingParams
+from tests.engine.tiny import embedded_tokenizer, engine_config, tiny_model
+
+pytestmark = pytest.mark.slow
+
+PROMPT = (
+    "Once upon a time, in a village by the sea, there lived an old fisherman who told "
+    "stories about the lighthouse."
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start(folder: Path, disk: Path, port: int) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(folder)]
+    command += ["--port", str(port), "--disk-dir", str(disk), "--chunk-tokens", "16"]
+    command += ["--device-budget-mb", "1", "--host-mb", "16", "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+                if reply.status == 200:
+                    return process
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"kvtier serve did not start: {process.communicate()[1]}")
+        time.sleep(0.2)
+
+
+def stop(process: subprocess.Popen[str]) -> str:
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    return err
+
+
+def test_sigterm_drains_streams_and_a_restarted_engine_reuses_the_kv(tmp_path: Path) -> None:
+    tokenizer = embedded_tokenizer()
+    folder = tmp_path / "tiny"
+    tiny_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    disk = tmp_path / "kv"
+    port = free_port()
+    process = start(folder, disk, port)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        stream = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        first = next(chunks)
+        received: list[Any] = [first]
+        reader = threading.Thread(target=lambda: received.extend(chunks))
+        reader.start()
+        err = stop(process)  # SIGTERM while the stream is in flight
+        reader.join(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert received[-1].choices[0].finish_reason == "length"  # drained, not cut
+    assert "draining in-flight requests and writing KV to disk" in err
+    assert any(disk.iterdir())
+
+    # The restart, in-process: an engine on the same folder and disk finds the KV there.
+    config = engine_config(disk_dir=str(disk))
+    with Engine.from_pretrained(str(folder), config) as restarted:
+        again = restarted.submit(PROMPT, SamplingParams(max_tokens=1)).result()
+        by_tier = restarted.stats().reused_tokens_by_tier
+    prompt_tokens = len(again.prompt_ids)
+    assert again.reused_tokens == 16 * ((prompt_tokens - 1) // 16) > 0
+    assert by_tier == {"disk": again.reused_tokens}
