@@ -21,7 +21,9 @@ Greedy tokens are compared with the resident baseline's before any speed is repo
 
 from __future__ import annotations
 
+import argparse
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,8 +39,8 @@ from kvtier.hf.cache import TieredCache
 from kvtier.hf.generate import TokenClock, prefill
 from kvtier.kv.layout import DTYPES, KVLayout
 from kvtier.manager import KVManager
-from kvtier.transfer import Link, Throttle
 from kvtier.models import load_model, model_identity, random_model
+from kvtier.transfer import Link, Throttle
 
 BUDGETS = (0.10, 0.25, 0.50)
 CALIBRATION_BUDGET = 0.25
@@ -49,33 +51,55 @@ STAGING_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
-class Workload:
-    """The model and prompt every case decodes."""
+class BenchModel:
+    """A model under test, with what the cases need to know about it."""
 
     model: Any
     model_id: str
-    prompt: torch.Tensor  # [1, S]
-    new_tokens: int
     layout: KVLayout
     device: torch.device
     description: str
+
+    def greedy_kwargs(self, new_tokens: int) -> dict[str, Any]:
+        """Exactly ``new_tokens`` greedy steps (EOS suppressed), the same for every case."""
+        config = self.model.generation_config
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        if isinstance(pad, list):
+            pad = pad[0]
+        return dict(
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0 if pad is None else pad,
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the prompt every case decodes."""
+
+    bench: BenchModel
+    prompt: torch.Tensor  # [1, S]
+    new_tokens: int
+
+    @property
+    def model(self) -> Any:
+        return self.bench.model
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.bench.layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.bench.device
 
     @property
     def final_kv_nbytes(self) -> int:
         return self.layout.kv_nbytes(self.prompt.shape[1] + self.new_tokens)
 
     def greedy_kwargs(self) -> dict[str, Any]:
-        """Exactly ``new_tokens`` greedy steps (EOS suppressed), same for every case."""
-        config = self.model.generation_config
-        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-        if isinstance(pad, list):
-            pad = pad[0]
-        return dict(
-            max_new_tokens=self.new_tokens,
-            min_new_tokens=self.new_tokens,
-            do_sample=False,
-            pad_token_id=0 if pad is None else pad,
-        )
+        return self.bench.greedy_kwargs(self.new_tokens)
 
 
 @dataclass
@@ -100,15 +124,24 @@ class DecodeRun:
 
 
 class StepClock(TokenClock):
-    """``TokenClock`` that also samples a counter at every token and resets the CUDA peak
-    memory at the first generated token (so the peak covers decode only)."""
+    """``TokenClock`` that also samples (link bytes, link wait seconds) at every token.
 
-    def __init__(self, counter: Callable[[], tuple[int, float]], device: torch.device) -> None:
+    On CUDA it resets the peak-memory counter at the first generated token, so the peak it
+    reports covers decode only, above ``start_allocated`` (taken before the run's cache
+    existed).
+    """
+
+    def __init__(
+        self,
+        counter: Callable[[], tuple[int, float]],
+        device: torch.device,
+        start_allocated: int = 0,
+    ) -> None:
         super().__init__()
         self.counter = counter
         self.counts: list[tuple[int, float]] = []
         self.cuda = device.type == "cuda"
-        self.start_allocated = torch.cuda.memory_allocated(device) if self.cuda else 0
+        self.start_allocated = start_allocated
         self.device = device
 
     def put(self, value: torch.Tensor) -> None:
@@ -136,6 +169,11 @@ class StepClock(TokenClock):
         )
 
 
+def allocated_nbytes(device: torch.device) -> int:
+    """Bytes torch has allocated on a CUDA device now (0 elsewhere)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def use_stock_attention(model: Any) -> None:
     """Baselines run transformers' own SDPA attention (kvtier re-attaches itself)."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
@@ -148,49 +186,75 @@ def random_prompt(vocab_size: int, tokens: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, tokens), generator=gen)
 
 
-def pick_device(name: str | None) -> torch.device:
-    if name is not None:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags choosing the model, its dtype, the device and the CPU threads."""
+    parser.add_argument(
+        "--model", default=None, help="HF model folder or .gguf (default: embedded)"
+    )
+    parser.add_argument(
+        "--random-shape", default=None, help="random-weight llama of this shape (e.g. llama3-8b)"
+    )
+    parser.add_argument("--dtype", default="float32", help=f"one of {sorted(DTYPES)}")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (CPU default 1: compute on one core, the link's copies on another)",
+    )
 
 
-def load_workload(
-    model_path: str | None,
-    random_shape: str | None,
-    dtype_name: str,
-    device: torch.device,
-    context: int,
-    new_tokens: int,
-    seed: int,
-) -> Workload:
-    """The embedded model (or ``model_path``, or random weights of ``random_shape``)."""
-    if dtype_name not in DTYPES:
-        raise ValueError(f"--dtype: unknown {dtype_name!r}; accepted: {sorted(DTYPES)}")
-    dtype = DTYPES[dtype_name]
-    if random_shape is not None:
+def setup_device(args: argparse.Namespace) -> torch.device:
+    """The device of ``--device``; on a CPU also fixes torch's thread count.
+
+    One compute thread on a CPU: the link's worker copies on the other core (as a GPU's copy
+    engine does beside its SMs), and a shared machine's other load does not stall torch's
+    thread barriers (two threads ran a decode step 5x slower than one under load here).
+    """
+    torch.manual_seed(args.seed)
+    if args.device is not None:
+        device = torch.device(args.device)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads is not None or device.type == "cpu":
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads: must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads or 1)
+    return device
+
+
+def load_bench_model(args: argparse.Namespace, device: torch.device, max_tokens: int) -> BenchModel:
+    """The embedded model, ``--model PATH``, or random weights of ``--random-shape``.
+
+    Raises:
+        ValueError: a bad ``--dtype``, or ``max_tokens`` beyond the model's context.
+    """
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype: unknown {args.dtype!r}; accepted: {sorted(DTYPES)}")
+    dtype = DTYPES[args.dtype]
+    if args.random_shape is not None:
         model = random_model(
             "llama",
-            shape=random_shape,
-            seed=seed,
+            shape=args.random_shape,
+            seed=args.seed,
             dtype=dtype,
             device=device,
-            max_position_embeddings=max(8192, context + new_tokens),
+            max_position_embeddings=max(8192, max_tokens),
         )
         model_id = model_identity(model)
-        description = f"random-weight llama, shape {random_shape}, {dtype_name}"
+        description = f"random-weight llama, shape {args.random_shape}, {args.dtype}"
     else:
-        loaded = load_model(model_path, dtype=dtype, device=device)
+        loaded = load_model(args.model, dtype=dtype, device=device)
         model, model_id = loaded.model, loaded.model_id
-        description = f"{model_id} ({dtype_name})"
-    limit = int(getattr(model.config, "max_position_embeddings", context + new_tokens))
-    if context + new_tokens > limit:
+        description = f"{model_id} ({args.dtype})"
+    limit = int(getattr(model.config, "max_position_embeddings", max_tokens))
+    if max_tokens > limit:
         raise ValueError(
-            f"--context: {context} + {new_tokens} new tokens exceeds the model's context of "
-            f"{limit} tokens; pass a smaller --context"
+            f"--context: {max_tokens} tokens (prompt and new tokens) exceed the model's context "
+            f"of {limit}; pass a smaller --context"
         )
     layout = KVLayout.from_model_config(model.config, dtype, 256)
-    prompt = random_prompt(int(model.config.vocab_size), context, seed)
-    return Workload(model, model_id, prompt, new_tokens, layout, device, description)
+    return BenchModel(model, model_id, layout, device, description)
 
 
 def link_gbps(device: torch.device) -> tuple[float, str]:
@@ -239,7 +303,7 @@ def prefill_dynamic(work: Workload) -> DynamicCache:
 def decode_dynamic(work: Workload, prefilled: DynamicCache | None) -> DecodeRun:
     """Resident baseline (from a copy of ``prefilled``), or ``offloading=True`` when None."""
     use_stock_attention(work.model)
-    clock = StepClock(lambda: (0, 0.0), work.device)
+    clock = StepClock(lambda: (0, 0.0), work.device, allocated_nbytes(work.device))
     if prefilled is not None:
         cache = copy.deepcopy(prefilled)
     else:
@@ -263,7 +327,7 @@ def new_manager(work: Workload) -> KVManager:
     config = ManagerConfig(
         chunk_tokens=layout.chunk_tokens, host=HostConfig(capacity_bytes=host_nbytes)
     )
-    return KVManager(layout, work.model_id, config)
+    return KVManager(layout, work.bench.model_id, config)
 
 
 def decode_tiered(
@@ -275,13 +339,14 @@ def decode_tiered(
     staging_bytes: int = STAGING_BYTES,
 ) -> DecodeRun:
     """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode."""
+    start_allocated = allocated_nbytes(work.device)
     config = TieredCacheConfig(
         device_budget_bytes=budget_bytes,
         staging_bytes=staging_bytes,
         prefetch=prefetch,
         link=LinkConfig(gbps=gbps),
     )
-    cache = TieredCache(work.model, config, manager=manager, model_id=work.model_id)
+    cache = TieredCache(work.model, config, manager=manager, model_id=work.bench.model_id)
     try:
         ids = work.prompt.to(work.device)
         reused = prefill(work.model, cache, ids)
@@ -290,7 +355,7 @@ def decode_tiered(
             link = cache.stats().link
             return link.bytes, link.wait_s
 
-        clock = StepClock(link_counters, work.device)
+        clock = StepClock(link_counters, work.device, start_allocated)
         out = work.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -333,17 +398,70 @@ def offloading_equal_budget(work: Workload) -> tuple[int, int] | None:
     return budget, staging
 
 
+def build_cases(
+    work: Workload,
+    budgets: tuple[float, ...],
+    resident: bool,
+    offloading: bool,
+    throttles: dict[str, float],
+    real_gbps: float,
+    notes: list[str],
+) -> list[Case]:
+    """Every case, in the order they alternate; appends to ``notes`` what is skipped."""
+    cases: list[Case] = []
+    if resident:
+        cases.append(Case("resident", "resident"))
+    equal = offloading_equal_budget(work) if offloading else None
+    if offloading:
+        cases.append(Case("offloading", "offloading"))
+    if equal is not None:
+        budget, staging = equal
+        fraction = budget / work.final_kv_nbytes
+        for prefetch in (True, False):
+            name = "kvtier equal-mem real" + ("" if prefetch else " no-prefetch")
+            cases.append(
+                Case(name, "kvtier", fraction, budget, prefetch=prefetch, staging_bytes=staging)
+            )
+    links: dict[str, float | None] = {"real": None}
+    for name, gbps in throttles.items():
+        if work.device.type == "cuda" and gbps >= real_gbps:
+            notes.append(f"{name} throttle ({gbps:.1f} GB/s) skipped: above the real link")
+        else:
+            links[name] = gbps
+    for fraction in budgets:
+        budget = budget_bytes_of(work, fraction)
+        for link, rate in links.items():
+            cases.append(
+                Case(f"kvtier {fraction:.0%} {link}", "kvtier", fraction, budget, rate, link)
+            )
+    if "link-bound" in links:
+        fraction = CALIBRATION_BUDGET
+        cases.append(
+            Case(
+                f"kvtier {fraction:.0%} link-bound no-prefetch",
+                "kvtier",
+                fraction,
+                budget_bytes_of(work, fraction),
+                links["link-bound"],
+                "link-bound",
+                prefetch=False,
+            )
+        )
+    return cases
+
+
 # ---- the run ---------------------------------------------------------------------------------
 
 
-def run(work: Workload, repeats: int, real_gbps: float) -> dict[str, Any]:
+def run(
+    work: Workload, repeats: int, real_gbps: float, budgets: tuple[float, ...] = BUDGETS
+) -> dict[str, Any]:
     model_kv = work.final_kv_nbytes
-    cuda = work.device.type == "cuda"
     notes: list[str] = []
 
     # Resident baseline: fits?  (the kept prefill plus the copy each run decodes from)
     resident_ok = True
-    if cuda:
+    if work.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(work.device)
         resident_ok = 2 * model_kv + (2 << 30) < free
         if not resident_ok:
@@ -382,8 +500,11 @@ def run(work: Workload, repeats: int, real_gbps: float) -> dict[str, Any]:
         compute_step = calibration.step_s
         notes.append("no baseline ran: compute step and reference tokens from kvtier itself")
     bytes_per_step = calibration.bytes_per_step
-    link_bound_gbps = bytes_per_step / (LINK_BOUND_FACTOR * compute_step) / 1e9
-    compute_bound_gbps = bytes_per_step / (COMPUTE_BOUND_FACTOR * compute_step) / 1e9
+    # Rounded to 3 significant digits: the throttle descriptions stay readable.
+    link_bound_gbps = float(f"{bytes_per_step / (LINK_BOUND_FACTOR * compute_step) / 1e9:.3g}")
+    compute_bound_gbps = float(
+        f"{bytes_per_step / (COMPUTE_BOUND_FACTOR * compute_step) / 1e9:.3g}"
+    )
     print(
         f"calibration (25 % budget): {bytes_per_step / 1e6:.1f} MB streamed per step, compute "
         f"step {compute_step * 1e3:.1f} ms -> link-bound {link_bound_gbps:.3f} GB/s, "
@@ -392,56 +513,15 @@ def run(work: Workload, repeats: int, real_gbps: float) -> dict[str, Any]:
     for gbps in (None, compute_bound_gbps, link_bound_gbps):
         print(f"  link {describe_link(gbps, work.device)}")
 
-    cases: list[Case] = []
-    if resident_ok:
-        cases.append(Case("resident", "resident"))
-    if offloading_error is None:
-        cases.append(Case("offloading", "offloading"))
-        equal = offloading_equal_budget(work)
-        if equal is not None:
-            budget, staging = equal
-            for prefetch in (True, False):
-                suffix = "" if prefetch else " no-prefetch"
-                cases.append(
-                    Case(
-                        f"kvtier equal-mem real{suffix}",
-                        "kvtier",
-                        budget / model_kv,
-                        budget,
-                        prefetch=prefetch,
-                        staging_bytes=staging,
-                    )
-                )
-    links: list[tuple[str, float | None]] = [("real", None)]
-    for name, gbps in (("compute-bound", compute_bound_gbps), ("link-bound", link_bound_gbps)):
-        if cuda and gbps >= real_gbps:
-            notes.append(f"{name} throttle ({gbps:.1f} GB/s) skipped: above the real link")
-            continue
-        links.append((name, gbps))
-    for fraction in BUDGETS:
-        for link_name, gbps in links:
-            cases.append(
-                Case(
-                    f"kvtier {fraction:.0%} {link_name}",
-                    "kvtier",
-                    fraction,
-                    budget_bytes_of(work, fraction),
-                    gbps,
-                    link_name,
-                )
-            )
-    if any(c.link == "link-bound" for c in cases):
-        cases.append(
-            Case(
-                f"kvtier {CALIBRATION_BUDGET:.0%} link-bound no-prefetch",
-                "kvtier",
-                CALIBRATION_BUDGET,
-                cal_budget,
-                link_bound_gbps,
-                "link-bound",
-                prefetch=False,
-            )
-        )
+    cases = build_cases(
+        work,
+        budgets,
+        resident_ok,
+        offloading_error is None,
+        {"compute-bound": compute_bound_gbps, "link-bound": link_bound_gbps},
+        real_gbps,
+        notes,
+    )
 
     def measure(case: Case) -> DecodeRun:
         if case.kind == "resident":
@@ -459,6 +539,7 @@ def run(work: Workload, repeats: int, real_gbps: float) -> dict[str, Any]:
             runs[case.name].append(measure(case))
     manager.close()
 
+    calibration_compute_step = compute_step
     if resident_ok:
         compute_step = median([r.step_s for r in runs["resident"]])
     results = {}
@@ -470,7 +551,7 @@ def run(work: Workload, repeats: int, real_gbps: float) -> dict[str, Any]:
         "cases": results,
         "calibration": {
             "bytes_per_step": bytes_per_step,
-            "compute_step_s": compute_step,
+            "compute_step_s": calibration_compute_step,
             "link_bound_gbps": link_bound_gbps,
             "compute_bound_gbps": compute_bound_gbps,
             "real_link_gbps": real_gbps,
@@ -481,14 +562,14 @@ def run(work: Workload, repeats: int, real_gbps: float) -> dict[str, Any]:
         "notes": notes,
         "offloading_error": offloading_error,
         "config": {
-            "model": work.description,
+            "model": work.bench.description,
             "context": int(work.prompt.shape[1]),
             "new_tokens": work.new_tokens,
             "repeats": repeats,
             "final_kv_nbytes": model_kv,
             "layout": work.layout.fingerprint(),
             "chunk_nbytes": work.layout.chunk_nbytes,
-            "budgets": list(BUDGETS),
+            "budgets": list(budgets),
             "link_bound_factor": LINK_BOUND_FACTOR,
             "compute_bound_factor": COMPUTE_BOUND_FACTOR,
         },
@@ -532,53 +613,63 @@ def summarize(
 
 
 def headline(results: dict[str, dict[str, Any]], compute_step: float) -> dict[str, Any]:
-    """The stable summary keys (NaN where the run had no such case)."""
-    nan = float("nan")
+    """The stable summary keys (None where the run had no such case)."""
 
     def step(name: str) -> float:
-        return float(results[name]["step_s"]) if name in results else nan
+        return float(results[name]["step_s"]) if name in results else math.nan
+
+    def ratio(num: float, den: float) -> float | None:
+        value = num / den
+        return value if math.isfinite(value) else None
 
     b = f"{CALIBRATION_BUDGET:.0%}"
     link_bound = results.get(f"kvtier {b} link-bound", {})
-    summary: dict[str, Any] = {
-        "link_bound_efficiency": link_bound.get("efficiency", nan),
-        "speedup_vs_no_prefetch": step(f"kvtier {b} link-bound no-prefetch")
-        / step(f"kvtier {b} link-bound"),
-        "compute_bound_vs_resident": step(f"kvtier {b} compute-bound") / compute_step,
-        "real_link_vs_resident": step(f"kvtier {b} real") / compute_step,
-        "resident_step_ms": compute_step * 1e3,
+    return {
+        "link_bound_efficiency": link_bound.get("efficiency"),
+        "speedup_vs_no_prefetch": ratio(
+            step(f"kvtier {b} link-bound no-prefetch"), step(f"kvtier {b} link-bound")
+        ),
+        "compute_bound_vs_resident": ratio(step(f"kvtier {b} compute-bound"), compute_step),
+        "real_link_vs_resident": ratio(step(f"kvtier {b} real"), compute_step),
+        "offloading_vs_kvtier_equal_mem": ratio(step("offloading"), step("kvtier equal-mem real")),
+        "resident_step_ms": compute_step * 1e3 if math.isfinite(compute_step) else None,
         "tokens_identical": all(r["tokens_identical"] for r in results.values()),
     }
-    if "offloading" in results and "kvtier equal-mem real" in results:
-        summary["offloading_vs_kvtier_equal_mem"] = step("offloading") / step(
-            "kvtier equal-mem real"
-        )
-    return summary
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    """``value`` formatted, or ``n/a`` when the run had no such figure."""
+    return "n/a" if value is None else format(value, spec)
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
+    peaks = any(r["peak_extra_nbytes"] is not None for r in results.values())
+    peak_head = f"{'peak MB':>9}" if peaks else ""
     print(
         f"{'case':<36}{'budget MB':>10}{'GB/s':>8}{'step ms':>9}{'MB/step':>9}"
-        f"{'bound ms':>9}{'eff':>6}{'x res':>7}  tokens"
+        f"{'bound ms':>9}{'eff':>6}{'x res':>7}{peak_head}  tokens"
     )
     for name, r in results.items():
         budget = f"{r['budget_bytes'] / 1e6:.1f}" if r["budget_bytes"] else "all"
-        gbps = f"{r['gbps']:.3f}" if r["gbps"] is not None else "real"
+        gbps = f"{r['gbps']:.3g}" if r["gbps"] is not None else "real"
         ok = "same" if r["tokens_identical"] else f"DIFF@{r['first_mismatch']}"
+        peak = ""
+        if peaks:
+            nbytes = r["peak_extra_nbytes"]
+            peak = f"{nbytes / 1e6:>9.1f}" if nbytes is not None else f"{'':>9}"
         print(
             f"{name:<36}{budget:>10}{gbps:>8}{r['step_s'] * 1e3:>9.1f}"
             f"{r['bytes_per_step'] / 1e6:>9.1f}{r['bound_s'] * 1e3:>9.1f}"
-            f"{r['efficiency']:>6.2f}{r['vs_resident']:>7.2f}  {ok}"
+            f"{r['efficiency']:>6.2f}{r['vs_resident']:>7.2f}{peak}  {ok}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser("decode", __doc__.splitlines()[0] if __doc__ else "decode")
-    parser.add_argument("--model", default=None, help="HF model folder or .gguf (default: embedded)")
-    parser.add_argument("--random-shape", default=None, help="random-weight llama of this shape")
-    parser.add_argument("--dtype", default="float32", help=f"one of {sorted(DTYPES)}")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--context", type=int, default=None, help="prompt tokens (4096; quick 2048)")
+    add_model_args(parser)
+    parser.add_argument(
+        "--context", type=int, default=None, help="prompt tokens (4096; quick 2048)"
+    )
     parser.add_argument("--new-tokens", type=int, default=None, help="decoded (16; quick 6)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (2; quick 1)")
     args = parser.parse_args(argv)
@@ -587,11 +678,10 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.quick else 2)
     if context < 512 or new_tokens < 3 or repeats < 1:
         raise ValueError("--context >= 512, --new-tokens >= 3 and --repeats >= 1 are needed")
-    torch.manual_seed(args.seed)
-    device = pick_device(args.device)
-    work = load_workload(
-        args.model, args.random_shape, args.dtype, device, context, new_tokens, args.seed
-    )
+    device = setup_device(args)
+    bench = load_bench_model(args, device, context + new_tokens)
+    prompt = random_prompt(int(bench.model.config.vocab_size), context, args.seed)
+    work = Workload(bench, prompt, new_tokens)
     real_gbps, real_desc = link_gbps(device)
     links = {
         "measured": f"{real_desc}: {real_gbps:.2f} GB/s",
@@ -600,10 +690,11 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(links)
     print_machine(info)
     print(
-        f"model: {work.description}; context {context} + {new_tokens} new tokens; "
+        f"model: {bench.description}; context {context} + {new_tokens} new tokens; "
         f"final KV {work.final_kv_nbytes / 1e6:.1f} MB; repeats {repeats}"
     )
-    result = run(work, repeats, real_gbps)
+    budgets = (CALIBRATION_BUDGET,) if args.quick else BUDGETS
+    result = run(work, repeats, real_gbps, budgets)
     for name in ("link-bound", "compute-bound"):
         gbps = result["calibration"][name.replace("-", "_") + "_gbps"]
         links[f"kvtier {name}"] = describe_link(gbps, device)
@@ -613,10 +704,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     write_json(args.json, result)
     s = result["summary"]
+    offloading = ""
+    if s["offloading_vs_kvtier_equal_mem"] is not None:
+        offloading = f", offloading step {fmt(s['offloading_vs_kvtier_equal_mem'])}x kvtier's"
     print(
-        f"summary: link-bound efficiency {s['link_bound_efficiency']:.2f}, "
-        f"{s['speedup_vs_no_prefetch']:.2f}x vs no prefetch, compute-bound step "
-        f"{s['compute_bound_vs_resident']:.2f}x resident, tokens identical "
+        f"summary: link-bound efficiency {fmt(s['link_bound_efficiency'])}, "
+        f"{fmt(s['speedup_vs_no_prefetch'])}x vs no prefetch, compute-bound step "
+        f"{fmt(s['compute_bound_vs_resident'])}x resident{offloading}, tokens identical "
         f"{s['tokens_identical']}"
     )
     return 0
