@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
-from kvtier.bench.decode import (
+from kvtier.bench.setup import (
     BenchModel,
     add_model_args,
     describe_link,
