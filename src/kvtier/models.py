@@ -412,3 +412,13 @@ def model_identity(model: torch.nn.Module, sample_elems: int = 256) -> str:
                 sample = param.detach().reshape(-1)[:sample_elems].to("cpu", torch.float32)
                 digest.update(sample.numpy().tobytes())
     return f"{_slug(Path(name).name or 'model')}-{digest.hexdigest()}"
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Prompt ids ``[1, S]`` of a chat through the tokenizer's template, ready to generate."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return torch.as_tensor(ids).reshape(1, -1)

@@ -27,7 +27,7 @@ from kvtier.hf import TieredCache
 from kvtier.hf.generate import GenerateResult, TokenClock, generate
 from kvtier.kv import KVLayout
 from kvtier.manager import KVManager
-from kvtier.models import load_model
+from kvtier.models import chat_ids, load_model
 
 FILLER = [
     "The grass is green and the sky is blue.",
@@ -64,15 +64,6 @@ def make_document(tokenizer: Any, context_tokens: int, seed: int) -> tuple[str, 
         tokens += len(tokenizer.encode(" " + sentence, add_special_tokens=False))
     sentences.insert(int(len(sentences) * 0.4), needle)
     return " ".join(sentences), pass_key
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return torch.as_tensor(ids).reshape(1, -1)
 
 
 def run_baseline(model: Any, ids: torch.Tensor, max_new_tokens: int, tokenizer: Any) -> Turn:

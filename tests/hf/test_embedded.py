@@ -10,7 +10,7 @@ from kvtier.config import TieredCacheConfig
 from kvtier.hf import TieredCache
 from kvtier.hf.generate import generate
 from kvtier.kv import KVLayout
-from kvtier.models import load_model
+from kvtier.models import chat_ids, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,9 @@ def embedded() -> object:
 
 def prompts(tokenizer: object) -> list[torch.Tensor]:
     """Three prompts: a short chat question, a medium one, and one over 4K tokens."""
-    apply = tokenizer.apply_chat_template  # type: ignore[attr-defined]
 
     def chat(text: str) -> torch.Tensor:
-        ids = apply([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-        return torch.as_tensor(ids).reshape(1, -1)
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
 
     story = " ".join(
         f"Line {i}: the lighthouse keeper counted {i * 7 % 31} ships." for i in range(60)

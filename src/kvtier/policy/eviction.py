@@ -68,26 +68,11 @@ class LRUPolicy(EvictionPolicy):
         return len(self._order)
 
 
-class FIFOPolicy(EvictionPolicy):
+class FIFOPolicy(LRUPolicy):
     """First in, first out: uses do not refresh a key (cheap, scan-resistant baseline)."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-
-    def insert(self, key: Hashable) -> None:
-        self._order[key] = None
 
     def touch(self, key: Hashable) -> None:
         return None
-
-    def remove(self, key: Hashable) -> None:
-        self._order.pop(key, None)
-
-    def candidates(self) -> Iterator[Hashable]:
-        return iter(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
