@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,10 @@ def model(tokenizer: Any) -> Any:
     return tiny_model(tokenizer)
 
 
-@pytest.fixture
-def engine(model: Any, tokenizer: Any) -> Iterator[Engine]:
-    with Engine(model, tokenizer, engine_config()) as engine:
+@pytest.fixture(params=[1, 4], ids=["serial", "batching"])
+def engine(model: Any, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    config = dataclasses.replace(engine_config(), max_batch_size=request.param)
+    with Engine(model, tokenizer, config) as engine:
         yield engine
 
 

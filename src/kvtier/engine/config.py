@@ -19,6 +19,23 @@ class EngineConfig:
         cache: the per-sequence device cache (device budget, staging, device⇄host link).
         manager: the shared tiers below the device (host, disk), chunk size and write
             policy: the KV every request can reuse.
+        max_batch_size: most sequences decoded together. 1 (the default) serves one
+            request at a time; more turns on continuous batching: requests are admitted
+            while their device budget fits, prefilled in chunk-sized pieces between decode
+            steps, and decoded together in one batched forward.
+        device_budget_bytes: device bytes for all running sequences together (continuous
+            batching): each running sequence holds ``cache.device_budget_bytes``, and a
+            request is admitted only while the sum stays within this. None:
+            ``max_batch_size × cache.device_budget_bytes``.
+        preempt_after_s: with continuous batching, when the oldest waiting request has
+            waited this long and does not fit, the youngest decoding sequence is preempted:
+            its KV stays in the host/disk tiers and it resumes later from there. None:
+            never preempt.
+        prefill_tokens_per_step: with continuous batching, prompt tokens prefilled
+            between two decode steps, in forwards of up to that many tokens ending on chunk
+            boundaries. None: one chunk, so running sequences wait at most one chunk's
+            forward; more trades their inter-token latency for throughput (fewer, fuller
+            decode steps and larger prefill forwards).
     """
 
     max_queued: int = 64
@@ -29,8 +46,54 @@ class EngineConfig:
     manager: ManagerConfig = field(
         default_factory=lambda: ManagerConfig(host=HostConfig(capacity_bytes=1024 * MiB))
     )
+    max_batch_size: int = 1
+    device_budget_bytes: int | None = None
+    preempt_after_s: float | None = None
+    prefill_tokens_per_step: int | None = None
+
+    @property
+    def total_device_budget_bytes(self) -> int:
+        """Device bytes for all running sequences (see ``device_budget_bytes``)."""
+        if self.device_budget_bytes is not None:
+            return self.device_budget_bytes
+        return self.max_batch_size * self.cache.device_budget_bytes
+
+    @property
+    def max_running(self) -> int:
+        """Sequences that may run at once: the batch size, within the device budget."""
+        per_sequence = self.cache.device_budget_bytes
+        return min(self.max_batch_size, self.total_device_budget_bytes // per_sequence)
 
     def __post_init__(self) -> None:
+        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
+            raise ValueError(
+                f"max_batch_size: must be an integer >= 1, got {self.max_batch_size!r}"
+            )
+        if self.device_budget_bytes is not None and (
+            not _is_int(self.device_budget_bytes)
+            or self.device_budget_bytes < self.cache.device_budget_bytes
+        ):
+            raise ValueError(
+                f"device_budget_bytes: must be an integer >= cache.device_budget_bytes "
+                f"({self.cache.device_budget_bytes}, one sequence) or None, "
+                f"got {self.device_budget_bytes!r}"
+            )
+        if self.prefill_tokens_per_step is not None and (
+            not _is_int(self.prefill_tokens_per_step) or self.prefill_tokens_per_step < 1
+        ):
+            raise ValueError(
+                f"prefill_tokens_per_step: must be an integer >= 1 or None (one chunk), "
+                f"got {self.prefill_tokens_per_step!r}"
+            )
+        if self.preempt_after_s is not None and (
+            isinstance(self.preempt_after_s, bool)
+            or not isinstance(self.preempt_after_s, (int, float))
+            or self.preempt_after_s < 0
+        ):
+            raise ValueError(
+                f"preempt_after_s: must be a number >= 0 or None (never), "
+                f"got {self.preempt_after_s!r}"
+            )
         if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int):
             raise ValueError(f"max_queued: must be an integer >= 1, got {self.max_queued!r}")
         if self.max_queued < 1:
@@ -42,3 +105,7 @@ class EngineConfig:
                 f"max_model_len: must be an integer >= 2 or None (the model's), "
                 f"got {self.max_model_len!r}"
             )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,11 +1,12 @@
 """The serving engine: admission queue, a worker that generates, token streaming, stats.
 
-Current limitation: the worker serves **one request at a time** (admission order, no
-batching). Each request reuses the longest cached prefix of its prompt from any tier,
-prefills the rest in chunk-sized pieces, then decodes token by token with its own sampling
-parameters. The continuous-batching scheduler (a later step) replaces ``_serve`` with a
-``step()`` over many sequences: schedule → run one batched forward → postprocess; the
-request, handle, sampling and stats types stay as they are.
+Each request reuses the longest cached prefix of its prompt from any tier, prefills the
+rest in chunk-sized pieces, then decodes token by token with its own sampling parameters.
+With ``max_batch_size == 1`` (the default) the worker serves one request at a time, in
+admission order (``_serve``). With more, ``kvtier.engine.scheduler.BatchScheduler`` runs
+continuous batching: a ``step()`` over many sequences — schedule → run (a prefill piece,
+one batched decode forward) → postprocess. The request, handle, sampling and stats types
+are the same for both.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class Engine:
     a prefix adopts that KV instead of recomputing it; the device tier is kept between
     requests (only ``reset``), so recent chunks are found there first.
 
-    **Limitation of this step:** one request is generated at a time, in admission order;
-    the others wait in the queue. The continuous-batching scheduler will lift this.
+    With ``config.max_batch_size == 1`` one request is generated at a time, in admission
+    order, and the others wait in the queue. With more, requests are batched continuously
+    (see ``kvtier.engine.scheduler``): each running sequence has its own ``TieredCache``.
 
     Thread-safety: ``submit``, ``stats`` and ``close`` may be called from any thread. The
     model, the tokenizer's decode and the cache are used only by the worker thread (and
@@ -94,7 +96,9 @@ class Engine:
         self.cache = self._new_cache()
         self._cond = threading.Condition()
         self._queue: deque[RequestHandle] = deque()
-        self._running: RequestHandle | None = None
+        self._running: list[RequestHandle] = []
+        self._resuming: list[RequestHandle] = []  # preempted, waiting to resume
+        self._max_decode_batch = 0
         self._closing = False
         self._closed = False
         self._ids = itertools.count()
@@ -108,6 +112,10 @@ class Engine:
                 "prompt_tokens",
                 "generated_tokens",
                 "reused_tokens",
+                "decode_steps",
+                "decode_rows",
+                "preemptions",
+                "prefetched_chunks",
             ),
             0,
         )
@@ -203,7 +211,9 @@ class Engine:
         with self._cond:
             counts = dict(self._counts)
             by_tier = dict(self._reused_by_tier)
-            depth, running = len(self._queue), int(self._running is not None)
+            depth = len(self._queue) + len(self._resuming)
+            running = len(self._running)
+            max_batch = self._max_decode_batch
         return EngineStats(
             requests_submitted=counts["submitted"],
             requests_finished=counts["finished"],
@@ -220,6 +230,11 @@ class Engine:
             inter_token=self._inter_token.snapshot(),
             manager=self.manager.stats(),
             cache=self.cache.stats() if self.cache.device_tier is not None else None,
+            decode_steps=counts["decode_steps"],
+            decode_rows=counts["decode_rows"],
+            max_decode_batch=max_batch,
+            preemptions=counts["preemptions"],
+            prefetched_chunks=counts["prefetched_chunks"],
         )
 
     @property
@@ -243,8 +258,8 @@ class Engine:
             if not drain:
                 for handle in self._queue:
                     handle.cancel()
-                if self._running is not None:
-                    self._running.cancel()
+                for handle in (*self._running, *self._resuming):
+                    handle.cancel()
             self._cond.notify_all()
         self._worker.join()
         self.cache.close()
@@ -261,13 +276,17 @@ class Engine:
 
     def _run(self) -> None:
         with torch.no_grad():  # grad mode is per thread
+            if self.config.max_batch_size > 1:
+                self._run_batched()
+                return
             while True:
                 with self._cond:
                     while not self._queue and not self._closing:
                         self._cond.wait()
                     if not self._queue:
                         return
-                    handle = self._running = self._queue.popleft()
+                    handle = self._queue.popleft()
+                    self._running = [handle]
                 try:
                     self._serve(handle)
                 except Exception as exc:
@@ -278,7 +297,25 @@ class Engine:
                 finally:
                     self.cache.reset()
                     with self._cond:
-                        self._running = None
+                        self._running = []
+
+    def _run_batched(self) -> None:
+        from kvtier.engine.scheduler import BatchScheduler
+
+        scheduler = BatchScheduler(self)
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not scheduler.busy and not self._closing:
+                        self._cond.wait()
+                    if not self._queue and not scheduler.busy:
+                        return
+                try:
+                    scheduler.step()
+                except Exception as exc:  # a scheduler fault: its sequences fail, not the engine
+                    scheduler.fail_all(exc)
+        finally:
+            scheduler.close()
 
     def _serve(self, handle: RequestHandle) -> FinishReason:
         request, params = handle.request, handle.request.params
@@ -299,38 +336,53 @@ class Engine:
         last_s = request.arrival_s
         for step in range(params.max_tokens):
             token = sample(logits, params, generator)
-            delta = text.push(token)
-            reason: FinishReason | None = None
-            if text.stopped or (token in self.eos_ids and not params.ignore_eos):
-                reason = "stop"
-            elif step + 1 == params.max_tokens:
-                reason = "length"
-            elif handle.cancelled:
-                reason = "cancelled"
-            if reason is not None and not text.stopped:
-                delta += text.flush()
-            now = time.perf_counter()
-            (self._ttft if step == 0 else self._inter_token).observe(now - last_s)
-            last_s = now
-            self._count("generated_tokens")
-            if reason is not None:  # counted before the caller can see the end
-                self._count("cancelled" if reason == "cancelled" else "finished")
-            handle.put(TokenEvent(request.request_id, token, delta, reason is not None, reason))
+            reason, last_s = self._emit(handle, text, step, token, last_s)
             if reason is not None:
                 return reason
             logits = self._forward(torch.tensor([[token]], dtype=torch.long))
         raise AssertionError("unreachable: the last step always finishes")
+
+    def _emit(
+        self, handle: RequestHandle, text: TextStream, step: int, token: int, last_s: float
+    ) -> tuple[FinishReason | None, float]:
+        """Stream the ``step``-th generated token; returns why it ended (None: it goes on)
+        and the time it was emitted."""
+        params = handle.request.params
+        delta = text.push(token)
+        reason: FinishReason | None = None
+        if text.stopped or (token in self.eos_ids and not params.ignore_eos):
+            reason = "stop"
+        elif step + 1 == params.max_tokens:
+            reason = "length"
+        elif handle.cancelled:
+            reason = "cancelled"
+        if reason is not None and not text.stopped:
+            delta += text.flush()
+        now = time.perf_counter()
+        (self._ttft if step == 0 else self._inter_token).observe(now - last_s)
+        self._count("generated_tokens")
+        if reason is not None:  # counted before the caller can see the end
+            self._count("cancelled" if reason == "cancelled" else "finished")
+        handle.put(TokenEvent(handle.request_id, token, delta, reason is not None, reason))
+        return reason, now
+
+    def _observe_batch(self, rows: int) -> None:
+        with self._cond:
+            self._max_decode_batch = max(self._max_decode_batch, rows)
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         """One forward of ``ids [1, N]`` through the cache; the last position's logits."""
         out = self.model(ids.to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]  # [V]
 
-    def _prefix_tiers(self, prompt_ids: Sequence[int]) -> list[str]:
-        """For each cached leading chunk of the prompt, the tier that holds it now."""
+    def _prefix_tiers(
+        self, prompt_ids: Sequence[int], cache: TieredCache | None = None
+    ) -> list[str]:
+        """For each cached leading chunk of the prompt, the tier that holds it now (the
+        device tier of ``cache``, default the engine's serial cache, counts as device)."""
         size = self.manager.layout.chunk_tokens
         limit = ((len(prompt_ids) - 1) // size) * size  # reuse_prefix leaves the last token
-        device = self.cache.device_tier
+        device = (cache or self.cache).device_tier
         names: list[str] = []
         for ref in self.manager.refs_for(list(prompt_ids[:limit])):
             if device is not None and device.contains(ref):
@@ -350,9 +402,9 @@ class Engine:
             for name in tiers[: reused // size]:
                 self._reused_by_tier[name] = self._reused_by_tier.get(name, 0) + size
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, amount: int = 1) -> None:
         with self._cond:
-            self._counts[name] += 1
+            self._counts[name] += amount
 
     def _new_cache(self) -> TieredCache:
         return TieredCache(self.model, self.config.cache, self.manager, model_id=self.model_id)

@@ -112,7 +112,14 @@ class EngineStats:
         inter_token: time between consecutive tokens of a request.
         manager: the shared tiers (host, disk) and the host⇄disk link.
         cache: the device tier and the device⇄host link of the engine's cache; None before
-            the first request.
+            the first request (and with continuous batching, where each running sequence
+            has its own cache).
+        decode_steps: batched decode forwards run (continuous batching only).
+        decode_rows: sequences decoded over those forwards (their sum of batch sizes).
+        max_decode_batch: the most sequences one decode forward has carried.
+        preemptions: running sequences preempted to make room (resumed later).
+        prefetched_chunks: chunks of queued requests whose disk→host move started while
+            they waited.
     """
 
     requests_submitted: int
@@ -130,3 +137,13 @@ class EngineStats:
     inter_token: HistogramSnapshot | None = None
     manager: ManagerStats | None = None
     cache: CacheStats | None = None
+    decode_steps: int = 0
+    decode_rows: int = 0
+    max_decode_batch: int = 0
+    preemptions: int = 0
+    prefetched_chunks: int = 0
+
+    @property
+    def mean_decode_batch(self) -> float:
+        """Average sequences per decode forward (0.0 before any)."""
+        return self.decode_rows / self.decode_steps if self.decode_steps else 0.0

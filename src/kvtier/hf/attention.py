@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from kvtier.attention import SegmentResult, attend_segment, merge
-from kvtier.hf.cache import LayerView, TieredCache, capture_ids
+from kvtier.hf.cache import BatchView, LayerView, TieredCache, capture_ids
 
 ATTENTION_NAME = "kvtier"
 
@@ -61,6 +61,10 @@ def tiered_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [B, Hq, Sq, D]`` → ``[B, Sq, Hq, D]``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(key, BatchView):
+        # One cache per row (sequences of different lengths): each row through its own.
+        outs = [_attend_view(row, query[b : b + 1], None, scale) for b, row in enumerate(key.rows)]
+        return torch.cat(outs, dim=0), None
     if not isinstance(key, LayerView):
         mask = (
             attention_mask.sdpa_mask()
@@ -70,15 +74,24 @@ def tiered_attention(
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs
         )
-    view: LayerView = key
+    padding = attention_mask.padding if isinstance(attention_mask, PaddingMask) else None
+    return _attend_view(key, query, padding, scale), None
+
+
+def _attend_view(
+    view: LayerView, query: torch.Tensor, padding: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One layer through one ``TieredCache``: ``query [B, Hq, Sq, D]`` → ``[B, Sq, Hq, D]``.
+
+    Layer 0 hands the cache this pass's padding; the last layer ends the cache's pass.
+    """
     cache = view.cache
     if view.layer_idx == 0:
-        padding = attention_mask.padding if isinstance(attention_mask, PaddingMask) else None
         cache.observe_padding(padding)
     out = _attend_layer(cache, view, query, scale)
     if view.layer_idx == cache.layout.num_layers - 1:
         cache.end_forward()
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def _attend_layer(

@@ -67,6 +67,23 @@ class LayerView:
 
 
 @dataclass
+class BatchView:
+    """One layer of a batched decode over several ``TieredCache``s, one row each.
+
+    Handed to the attention function by a cache that keeps one ``TieredCache`` per row
+    (``kvtier.engine.batch_cache.BatchCache``): row ``b`` of the query attends to
+    ``rows[b]`` through that row's own cache.
+
+    Attributes:
+        layer_idx: the layer.
+        rows: each row's ``LayerView`` (batch size 1 each), in batch order.
+    """
+
+    layer_idx: int
+    rows: list[LayerView]
+
+
+@dataclass
 class _Plan:
     """One forward pass: what is resident, what streams, what is pinned."""
 
@@ -646,3 +663,12 @@ class TieredCache(Cache):
 def capture_ids(model: torch.nn.Module, ids: torch.Tensor) -> None:
     """Record a forward's input ids for the cache that will see it (hook helper)."""
     _LAST_IDS[model] = ids.detach()
+
+
+def take_ids(model: torch.nn.Module) -> torch.Tensor | None:
+    """Remove and return the ids ``capture_ids`` recorded for ``model`` (None: none).
+
+    For a cache that splits one forward's rows over several ``TieredCache``s: it takes the
+    batch's ids, then hands each row cache its row with ``capture_ids``.
+    """
+    return _LAST_IDS.pop(model, None)

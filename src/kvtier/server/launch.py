@@ -31,7 +31,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--max-queued", type=int, default=64, help="waiting requests; then 429")
-    parser.add_argument("--device-budget-mb", type=int, default=256, help="device KV budget")
+    parser.add_argument(
+        "--device-budget-mb", type=int, default=256, help="device KV budget per sequence"
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=1,
+        help="sequences decoded together (continuous batching when > 1)",
+    )
     parser.add_argument("--host-mb", type=int, default=1024, help="host DRAM tier size")
     parser.add_argument("--disk-dir", default=None, help="keep KV on disk here (survives restarts)")
     parser.add_argument("--disk-mb", type=int, default=32 * 1024, help="disk tier size")
@@ -44,11 +52,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Map the flags onto the engine's config (validation errors name the flag or field)."""
     from kvtier.engine import EngineConfig
 
-    for flag in ("max_queued", "device_budget_mb", "host_mb", "disk_mb", "chunk_tokens"):
+    for flag in (
+        "max_queued",
+        "device_budget_mb",
+        "max_batch_size",
+        "host_mb",
+        "disk_mb",
+        "chunk_tokens",
+    ):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     return EngineConfig(
         max_queued=args.max_queued,
+        max_batch_size=args.max_batch_size,
         cache=TieredCacheConfig(device_budget_bytes=args.device_budget_mb * MiB),
         manager=ManagerConfig(
             chunk_tokens=args.chunk_tokens,

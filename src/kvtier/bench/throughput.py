@@ -1,0 +1,186 @@
+"""Benchmark ``throughput``: offline generation tokens/s, continuous batching vs static.
+
+Question: for a batch of requests with mixed prompt lengths, how many tokens per second does
+kvtier's engine (``LLM.generate`` with continuous batching) produce, against transformers
+``model.generate`` with static batching, measured in the same run on the same model?
+
+Method, per request count N (16 and 64; ``--quick``: 8): N prompts of seeded random token
+ids with lengths uniform in [64, 1024] (``--quick``: [64, 512]), 32 new tokens each, greedy,
+end-of-sequence ignored, so every request generates exactly 32 tokens.
+
+- ``hf_static``: the prompts in submission order, in batches of 16, left-padded, through
+  ``model.generate`` (``DynamicCache``, SDPA attention); a batch ends when its last row does.
+- ``kvtier``: ``LLM.generate`` over all N at once on a second copy of the weights; the
+  engine admits up to 16 sequences, prefills each in chunk-sized pieces without padding and
+  decodes the running sequences of different lengths in one batched forward.
+
+Figures: generated tokens / wall seconds for each, their ratio (``speedup_vs_hf_static_N``),
+and how many requests got exactly the same tokens from both.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvtier.bench.common import base_parser, machine_info, print_machine, write_json
+from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
+from kvtier.engine import LLM, EngineConfig, SamplingParams
+from kvtier.models import load_model
+
+NEW_TOKENS = 32
+STATIC_BATCH = 16
+CHUNK_TOKENS = 256
+PREFILL_TOKENS_PER_STEP = 4096  # offline: throughput over inter-token latency
+
+
+def make_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of random ids (no special tokens), lengths uniform in [lo, hi]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def padded_tokens(prompts: list[list[int]]) -> int:
+    """Prompt tokens static batching computes: every row padded to its batch's longest."""
+    batches = [prompts[i : i + STATIC_BATCH] for i in range(0, len(prompts), STATIC_BATCH)]
+    return sum(len(b) * max(len(p) for p in b) for b in batches)
+
+
+@torch.no_grad()
+def hf_static(model: Any, prompts: list[list[int]], pad_id: int) -> tuple[float, list[list[int]]]:
+    """Seconds for transformers ``generate`` over left-padded batches; and the tokens."""
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), STATIC_BATCH):
+        batch = prompts[i : i + STATIC_BATCH]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # [B, S]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            cache=DynamicCache(config=model.config),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        outputs.extend(out[:, width:].tolist())
+    return time.perf_counter() - start, outputs
+
+
+def kvtier_engine(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[list[int]], Any]:
+    """Seconds for ``LLM.generate`` over all prompts; the tokens; the engine's stats."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return seconds, [o.token_ids for o in outs], llm.engine.stats()
+
+
+def engine_config(layout_token_nbytes: int, longest: int, count: int) -> EngineConfig:
+    """Room on the device for each sequence's whole KV; a host tier for every request."""
+    per_sequence = layout_token_nbytes * (longest + NEW_TOKENS + 2 * CHUNK_TOKENS)
+    host = max(256 * MiB, layout_token_nbytes * (longest + NEW_TOKENS) * count)
+    return EngineConfig(
+        max_queued=max(64, count),
+        max_batch_size=STATIC_BATCH,
+        prefill_tokens_per_step=PREFILL_TOKENS_PER_STEP,
+        cache=TieredCacheConfig(device_budget_bytes=per_sequence),
+        manager=ManagerConfig(chunk_tokens=CHUNK_TOKENS, host=HostConfig(capacity_bytes=host)),
+    )
+
+
+def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict[str, Any]:
+    counts = requests or ((8,) if quick else (16, 64))
+    lo, hi = (64, 512) if quick else (64, 1024)
+    baseline = load_model()
+    ours = load_model()
+    model = baseline.model.eval()
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    pad_id = baseline.tokenizer.pad_token_id
+    pad_id = 0 if pad_id is None else int(pad_id)
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    token_nbytes = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4
+    cases: dict[str, dict[str, Any]] = {}
+    summary: dict[str, float] = {}
+    for n in counts:
+        prompts = make_prompts(n, lo, hi, vocab, seed + n)
+        config = engine_config(token_nbytes, hi, n)
+        with LLM(ours.model, tokenizer=ours.tokenizer, config=config) as llm:
+            kvtier_engine(llm, make_prompts(2, 8, 40, vocab, seed - 1))  # warm the code paths
+            kv_s, kv_tokens, stats = kvtier_engine(llm, prompts)
+        hf_s, hf_tokens = hf_static(model, prompts, pad_id)
+        generated = n * NEW_TOKENS
+        same = sum(a == b for a, b in zip(kv_tokens, hf_tokens, strict=True))
+        case = {
+            "requests": n,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "padded_prompt_tokens": padded_tokens(prompts),
+            "generated_tokens": generated,
+            "kvtier_s": round(kv_s, 3),
+            "hf_static_s": round(hf_s, 3),
+            "kvtier_tokens_per_s": round(generated / kv_s, 2),
+            "hf_static_tokens_per_s": round(generated / hf_s, 2),
+            "same_tokens_requests": same,
+            "mean_decode_batch": round(stats.mean_decode_batch, 2),
+            "max_decode_batch": stats.max_decode_batch,
+            "decode_steps": stats.decode_steps,
+        }
+        cases[str(n)] = case
+        summary[f"speedup_vs_hf_static_{n}"] = round(hf_s / kv_s, 3)
+        summary[f"kvtier_tokens_per_s_{n}"] = case["kvtier_tokens_per_s"]
+        summary[f"hf_static_tokens_per_s_{n}"] = case["hf_static_tokens_per_s"]
+    return {
+        "summary": summary,
+        "cases": cases,
+        "config": {
+            "quick": quick,
+            "seed": seed,
+            "prompt_tokens_range": [lo, hi],
+            "new_tokens": NEW_TOKENS,
+            "static_batch": STATIC_BATCH,
+            "max_batch_size": STATIC_BATCH,
+            "chunk_tokens": CHUNK_TOKENS,
+            "prefill_tokens_per_step": PREFILL_TOKENS_PER_STEP,
+            "model": ours.model_id,
+            "dtype": "float32",
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser("throughput", __doc__.splitlines()[0] if __doc__ else "throughput")
+    parser.add_argument(
+        "--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)"
+    )
+    args = parser.parse_args(argv)
+    info = machine_info()
+    print_machine(info)
+    result = run(args.quick, args.seed, tuple(args.requests) if args.requests else None)
+    result["machine"] = info
+    print(
+        f"{'requests':>9}{'prompt tok':>11}{'padded':>9}{'kvtier tok/s':>14}{'hf static tok/s':>17}"
+        f"{'speedup':>9}{'same':>6}{'batch':>7}"
+    )
+    for case in result["cases"].values():
+        n = case["requests"]
+        print(
+            f"{n:>9}{case['prompt_tokens']:>11}{case['padded_prompt_tokens']:>9}"
+            f"{case['kvtier_tokens_per_s']:>14.1f}{case['hf_static_tokens_per_s']:>17.1f}"
+            f"{result['summary'][f'speedup_vs_hf_static_{n}']:>9.2f}"
+            f"{case['same_tokens_requests']:>6}{case['mean_decode_batch']:>7.1f}"
+        )
+    write_json(args.json, result)
+    s = result["summary"]
+    print("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(s.items()) if "speedup" in k))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
