@@ -19,37 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from kvtier.hf.cache import BatchView, TieredCache, capture_ids, take_ids
-
-
-class _BatchLayer(CacheLayerMixin):
-    """Per-layer facade for transformers' generic ``Cache`` code (mask sizes, lengths)."""
-
-    is_sliding = False
-
-    def __init__(self, cache: BatchCache) -> None:
-        super().__init__()
-        self._cache = weakref.ref(cache)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Any:
-        raise RuntimeError("BatchCache layers are updated through BatchCache.update")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        cache = self._cache()
-        return 0 if cache is None else cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
+from kvtier.hf.cache import BatchView, FacadeLayer, TieredCache, capture_ids, take_ids
 
 
 class BatchCache(Cache):
@@ -72,7 +44,7 @@ class BatchCache(Cache):
             raise ValueError("rows: a batch needs at least one row cache")
         self.rows = list(rows)
         self._model = weakref.ref(model)
-        super().__init__(layers=[_BatchLayer(self) for _ in range(rows[0].layout.num_layers)])
+        super().__init__(layers=[FacadeLayer(self) for _ in range(rows[0].layout.num_layers)])
 
     def update(  # type: ignore[override]
         self,

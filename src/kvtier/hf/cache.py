@@ -138,12 +138,16 @@ class CacheStats:
         return "\n".join(rows)
 
 
-class _TieredLayer(CacheLayerMixin):
-    """Per-layer facade so transformers' generic ``Cache`` code sees familiar layers."""
+class FacadeLayer(CacheLayerMixin):
+    """Per-layer facade so transformers' generic ``Cache`` code sees familiar layers.
+
+    kvtier's caches keep their KV themselves; a facade only answers lengths and mask sizes
+    from its cache's ``get_seq_length()`` and refuses direct updates.
+    """
 
     is_sliding = False
 
-    def __init__(self, cache: TieredCache) -> None:
+    def __init__(self, cache: Cache) -> None:
         super().__init__()
         self._cache = weakref.ref(cache)
 
@@ -153,14 +157,16 @@ class _TieredLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
-        raise RuntimeError("TieredCache layers are updated through TieredCache.update")
+        cache = self._cache()
+        name = type(cache).__name__
+        raise RuntimeError(f"{name} layers are updated through {name}.update")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
         cache = self._cache()
-        return 0 if cache is None else cache.seq_len
+        return 0 if cache is None else cache.get_seq_length()
 
     def get_max_length(self) -> int:
         return -1
@@ -221,7 +227,7 @@ class TieredCache(Cache):
             if self.config.device is not None
             else next(model.parameters()).device
         )
-        super().__init__(layers=[_TieredLayer(self) for _ in range(self.layout.num_layers)])
+        super().__init__(layers=[FacadeLayer(self) for _ in range(self.layout.num_layers)])
         self._model = weakref.ref(model)
         attach(model)
         self.attention_name = ATTENTION_NAME
