@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -27,3 +29,14 @@ def make_chunks(layout: KVLayout, count: int, seed: int = 0) -> list[Chunk]:
         data = torch.randn(layout.chunk_shape, generator=gen, dtype=torch.float32)
         chunks.append(Chunk(ref, data.to(layout.dtype)))
     return chunks
+
+
+def one_torch_thread() -> Iterator[None]:
+    """Run torch on one thread for a test package (used by the engine and server tests).
+
+    The machine's few cores are shared, and two threads contending cost ~20x per tiny forward.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,17 +1,9 @@
-"""Engine tests run torch on one thread: the machine's few cores are shared, and two
-threads contending cost ~20x per tiny forward."""
+"""This package's tests run torch on one thread (see ``tests.conftest.one_torch_thread``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
+from tests.conftest import one_torch_thread
 
-@pytest.fixture(autouse=True, scope="package")
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread_for_package = pytest.fixture(autouse=True, scope="package")(one_torch_thread)
