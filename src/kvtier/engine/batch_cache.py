@@ -19,12 +19,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 
-from kvtier.hf.cache import BatchView, FacadeLayer, TieredCache, capture_ids, take_ids
+from kvtier.hf.cache import (
+    BatchView,
+    FacadeLayer,
+    SelfManagedCache,
+    TieredCache,
+    capture_ids,
+    take_ids,
+)
 
 
-class BatchCache(Cache):
+class BatchCache(SelfManagedCache):
     """A transformers cache over one ``TieredCache`` per batch row, for decode steps.
 
     The mask transformers builds from ``get_seq_length``/``get_mask_sizes`` (the longest
@@ -74,16 +80,6 @@ class BatchCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(cache.seq_len for cache in self.rows)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
     @property
     def is_initialized(self) -> bool:

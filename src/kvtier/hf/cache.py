@@ -172,7 +172,33 @@ class FacadeLayer(CacheLayerMixin):
         return -1
 
 
-class TieredCache(Cache):
+class SelfManagedCache(Cache):
+    """What every kvtier cache answers the same way to transformers' generic code.
+
+    The KV lives in kvtier's tiers, not in ``layers``: lengths and mask sizes come from
+    ``get_seq_length``; nothing is compiled (static shapes would defeat the tiers) and
+    ``crop`` is limited (``is_croppable`` False, so ``generate`` never relies on it).
+    """
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length()
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+
+class TieredCache(SelfManagedCache):
     """Drop-in transformers cache with a device byte budget over kvtier's tiers.
 
     Args:
@@ -291,23 +317,6 @@ class TieredCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seq_len
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.seq_len
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
 
     @property
     def is_initialized(self) -> bool:
