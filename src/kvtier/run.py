@@ -13,18 +13,16 @@ import argparse
 import json
 import random
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from kvtier.bench.common import machine_info
 from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig, TieredCacheConfig
 from kvtier.hf import TieredCache
-from kvtier.hf.generate import GenerateResult, TokenClock, generate
+from kvtier.hf.generate import GenerateResult, generate, generate_resident
 from kvtier.kv import KVLayout
 from kvtier.manager import KVManager
 from kvtier.models import chat_ids, load_model
@@ -67,22 +65,9 @@ def make_document(tokenizer: Any, context_tokens: int, seed: int) -> tuple[str, 
 
 
 def run_baseline(model: Any, ids: torch.Tensor, max_new_tokens: int, tokenizer: Any) -> Turn:
-    clock = TokenClock()
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            cache=DynamicCache(config=model.config),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            streamer=clock,
-        )
-    new = out[0, ids.shape[1] :].tolist()
-    ttft = clock.times[1] - start
-    steps = len(clock.times) - 2
-    tps = steps / (clock.times[-1] - clock.times[1]) if steps > 0 else 0.0
-    return Turn(tokenizer.decode(new, skip_special_tokens=True), new, ttft, tps)
+    """The same question through transformers' all-resident ``DynamicCache``."""
+    result = generate_resident(model, ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return as_turn(result, ids, tokenizer)
 
 
 def as_turn(result: GenerateResult, ids: torch.Tensor, tokenizer: Any) -> Turn:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from kvtier.config import TieredCacheConfig
 from kvtier.hf import TieredCache
-from kvtier.hf.generate import generate
+from kvtier.hf.generate import generate, generate_resident
 from kvtier.kv import KVLayout
 from kvtier.models import chat_ids, load_model
 
@@ -46,13 +45,9 @@ def test_greedy_tokens_equal_dynamic_cache(embedded: object, budget_share: float
     all_prompts = prompts(tokenizer)
     assert all_prompts[2].shape[1] > 4096
     for ids in all_prompts:
-        expected = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            cache=DynamicCache(config=model.config),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-        )
+        expected = generate_resident(
+            model, ids, max_new_tokens=NEW_TOKENS, do_sample=False
+        ).sequences
         kv_nbytes = layout.kv_nbytes(ids.shape[1] + NEW_TOKENS)
         budget = max(int(budget_share * kv_nbytes), layout.chunk_nbytes)
         cache = TieredCache(model, TieredCacheConfig(device_budget_bytes=budget))

@@ -98,9 +98,31 @@ def generate(
 ) -> GenerateResult:
     """Reuse, prefill in pieces, then ``model.generate``; one prompt row (batch 1) or more
     rows without padding. ``generate_kwargs`` go to ``model.generate``."""
-    clock = TokenClock()
     start = time.perf_counter()
     reused = prefill(model, cache, input_ids, progress=progress)
+    return _timed_generate(model, cache, input_ids, start, reused, generate_kwargs)
+
+
+def generate_resident(
+    model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs: Any
+) -> GenerateResult:
+    """The baseline: ``model.generate`` with transformers' ``DynamicCache``, all resident."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)  # type: ignore[arg-type]
+    return _timed_generate(model, cache, input_ids, time.perf_counter(), 0, generate_kwargs)
+
+
+@torch.no_grad()
+def _timed_generate(
+    model: torch.nn.Module,
+    cache: Any,
+    input_ids: torch.Tensor,
+    start: float,
+    reused: int,
+    generate_kwargs: dict[str, Any],
+) -> GenerateResult:
+    clock = TokenClock()
     ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
     out = model.generate(  # type: ignore[operator]
         ids.to(_device_of(model)),
