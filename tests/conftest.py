@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -40,3 +41,22 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def run_in_threads(worker: Callable[[list[Chunk]], None], jobs: list[list[Chunk]]) -> None:
+    """Run ``worker(job)`` for every job on its own thread; re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def guarded(job: list[Chunk]) -> None:
+        try:
+            worker(job)
+        except BaseException as exc:  # surfaced in the calling thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]

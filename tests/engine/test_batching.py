@@ -10,20 +10,10 @@ from typing import Any
 import pytest
 
 from kvtier.engine import LLM, Engine, EngineConfig, SamplingParams
-from tests.engine.tiny import CHUNK, embedded_tokenizer, engine_config, reference_tokens, tiny_model
+from tests.engine.tiny import CHUNK, engine_config, reference_tokens
 
 LENGTHS = (3, 17, 40, 70, 33, 5)
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return embedded_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer: Any) -> Any:
-    return tiny_model(tokenizer)
 
 
 def prompts(base: int = 100) -> list[list[int]]:

@@ -20,23 +20,13 @@ from kvtier.engine import (
     SamplingParams,
     TokenEvent,
 )
-from tests.engine.tiny import CHUNK, embedded_tokenizer, engine_config, reference_tokens, tiny_model
+from tests.engine.tiny import CHUNK, engine_config, reference_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 STORY = (
     "Once upon a time, in a village by the sea, there lived an old fisherman who told "
     "stories about the lighthouse, the storms and the ships that never came home."
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return embedded_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer: Any) -> Any:
-    return tiny_model(tokenizer)
 
 
 @pytest.fixture(params=[1, 4], ids=["serial", "batching"])

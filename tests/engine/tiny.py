@@ -76,3 +76,15 @@ def reference_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int) -> 
             pad_token_id=0,
         )
     return list(out[0, len(prompt_ids) :].tolist())
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    """The embedded model's tokenizer (shared by the engine and server tests)."""
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer: Any) -> Any:
+    """A tiny random-weight Llama over that tokenizer's vocabulary."""
+    return tiny_model(tokenizer)

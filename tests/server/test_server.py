@@ -19,7 +19,7 @@ from openai import OpenAI
 from kvtier import cli
 from kvtier.engine import LLM, Engine, SamplingParams
 from kvtier.server import create_app
-from tests.engine.tiny import embedded_tokenizer, engine_config, reference_tokens, tiny_model
+from tests.engine.tiny import engine_config, reference_tokens
 
 NAME = "tiny-llama"
 KEY = "sk-test"
@@ -69,16 +69,6 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return embedded_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer: Any) -> Any:
-    return tiny_model(tokenizer)
 
 
 @pytest.fixture(scope="module")

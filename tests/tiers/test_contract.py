@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +10,7 @@ from hypothesis import strategies as st
 from kvtier.kv import Chunk, ChunkRef, KVLayout
 from kvtier.policy import EVICTION_POLICIES
 from kvtier.tiers import TierFullError
-from tests.conftest import make_chunks
+from tests.conftest import make_chunks, run_in_threads
 from tests.tiers.conftest import TierFactory
 
 
@@ -101,24 +99,15 @@ def test_concurrent_puts_and_gets_lose_nothing(tier_factory: TierFactory, layout
     tier = tier_factory(64)
     per_thread = 8
     chunk_sets = [make_chunks(layout, per_thread, seed=100 + t) for t in range(4)]
-    errors: list[BaseException] = []
 
     def worker(chunks: list[Chunk]) -> None:
-        try:
-            out = layout.empty_chunk()
-            for chunk in chunks:
-                tier.put([chunk])
-                assert tier.get_into([chunk.ref], [out]) == [True]
-                assert torch.equal(out, chunk.data)
-        except BaseException as exc:  # surfaced in the main thread below
-            errors.append(exc)
+        out = layout.empty_chunk()
+        for chunk in chunks:
+            tier.put([chunk])
+            assert tier.get_into([chunk.ref], [out]) == [True]
+            assert torch.equal(out, chunk.data)
 
-    threads = [threading.Thread(target=worker, args=(cs,)) for cs in chunk_sets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_in_threads(worker, chunk_sets)
     assert len(tier) == 4 * per_thread
     out = layout.empty_chunk()
     for chunks in chunk_sets:

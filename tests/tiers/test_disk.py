@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 from kvtier.kv import Chunk, KVLayout
 from kvtier.tiers import disk, disk_io
 from kvtier.tiers.disk import DiskFullError, DiskTier
-from tests.conftest import make_chunks
+from tests.conftest import make_chunks, run_in_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL_PIECE_NBYTES = 8192
@@ -311,25 +310,16 @@ def test_full_disk_names_the_path(
 def test_four_threads_lose_nothing(layout: KVLayout, tmp_path: Path) -> None:
     tier = open_tier(layout, tmp_path, num_slots=64)
     chunk_sets = [make_chunks(layout, 10, seed=200 + t) for t in range(4)]
-    errors: list[BaseException] = []
 
     def worker(chunks: list[Chunk]) -> None:
-        try:
-            out = layout.empty_chunk()
-            for i, chunk in enumerate(chunks):
-                tier.put([chunk])
-                for earlier in chunks[: i + 1]:
-                    assert tier.get_into([earlier.ref], [out]) == [True]
-                    assert torch.equal(out, earlier.data)
-        except BaseException as exc:  # surfaced in the main thread below
-            errors.append(exc)
+        out = layout.empty_chunk()
+        for i, chunk in enumerate(chunks):
+            tier.put([chunk])
+            for earlier in chunks[: i + 1]:
+                assert tier.get_into([earlier.ref], [out]) == [True]
+                assert torch.equal(out, earlier.data)
 
-    threads = [threading.Thread(target=worker, args=(cs,)) for cs in chunk_sets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_in_threads(worker, chunk_sets)
     every = [c for cs in chunk_sets for c in cs]
     assert_holds_exactly(tier, every)
     tier.close()
