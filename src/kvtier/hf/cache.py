@@ -489,11 +489,9 @@ class TieredCache(SelfManagedCache):
     def end_forward(self) -> None:
         """Seal every chunk completed in this pass, decide residency, unpin."""
         plan = self.plan
-        assert self.streamer is not None
-        self.streamer.finish()
         size = self.layout.chunk_tokens
         total = plan.tail_before + plan.new_tokens
-        self._release_plan()
+        self._release_plan()  # waits for the stream, then unpins
         if total < size:
             self.tail_len = total
             return
