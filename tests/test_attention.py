@@ -10,6 +10,7 @@ from torch import Tensor
 from kvtier.attention import (
     KVSegment,
     SegmentResult,
+    attend_own_keys,
     attend_segment,
     empty_result,
     merge,
@@ -155,6 +156,19 @@ def test_lse_matches_logsumexp() -> None:
     k = key.repeat_interleave(2, dim=1)
     expected = torch.logsumexp(torch.matmul(query, k.transpose(-1, -2)) * 0.25, dim=-1)
     torch.testing.assert_close(result.lse, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3)])
+def test_attend_own_keys_is_causal_attention_with_its_lse(hq: int, hkv: int) -> None:
+    query, key, value, _ = make_qkv(2, hq, hkv, 37, 37, seed=3)
+    result = attend_own_keys(query, key, value, 0.25)
+    expected = attend_segment(query, key, value, 0.25, query_positions=0, key_start=0)
+    torch.testing.assert_close(result.out, expected.out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result.lse, expected.lse, atol=1e-5, rtol=1e-5)
+    full = reference(query, key, value, 0.25, torch.arange(37))
+    torch.testing.assert_close(result.out.double(), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="query's length"):
+        attend_own_keys(query, key[:, :, :5], value[:, :, :5], 0.25)
 
 
 def test_merge_is_associative_and_has_identity() -> None:

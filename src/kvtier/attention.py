@@ -177,6 +177,47 @@ def attend_segment(
     return SegmentResult(out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq))
 
 
+def attend_own_keys(query: Tensor, key: Tensor, value: Tensor, scale: float) -> SegmentResult:
+    """Causal attention of ``S`` new tokens over exactly their own keys, with log-sum-exp.
+
+    The case of a prefill piece that starts a chunk: query ``i`` sees keys ``0..i``. On the
+    CPU it is one call of torch's fused flash kernel with its causal flag (no mask is built
+    and the masked half of the scores is skipped); grouped-query K/V are repeated to the
+    query heads for it (``S × Hq × D`` elements, small next to the attention). Elsewhere it
+    is ``attend_segment`` with the causal rule.
+
+    Args:
+        query: ``[B, Hq, S, D]``.
+        key: ``[B, Hkv, S, D]``: the keys of the same ``S`` positions.
+        value: ``[B, Hkv, S, D]``.
+        scale: multiplier of the scores.
+
+    Returns:
+        ``SegmentResult(out [B, Hq, S, D] float32, lse [B, Hq, S] float32)``.
+    """
+    hq, sq = query.shape[1], query.shape[2]
+    hkv = key.shape[1]
+    if key.shape[2] != sq or value.shape != key.shape:
+        raise ValueError(
+            f"key/value: must be [B, Hkv, {sq}, D] like the query's length, got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if query.device.type != "cpu":
+        return attend_segment(query, key, value, scale, query_positions=0, key_start=0)
+    groups = hq // hkv
+    k = key.to(torch.float32)
+    v = value.to(torch.float32)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query.to(torch.float32), k, v, 0.0, True, scale=scale
+    )
+    return SegmentResult(out, lse)
+
+
 def _attend_flat(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, seen: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:

@@ -136,7 +136,8 @@ class TieredCacheConfig:
             (the synchronous baseline).
         sink_chunks: leading chunks of each sequence pinned on the device (attention sinks).
         query_block_tokens: queries attended per block in a long prefill, bounding the
-            score matrix to ``heads × block × keys``.
+            score matrix to ``heads × block × keys`` (off the CPU; the CPU's fused flash
+            kernel tiles the queries itself and takes them in one block).
         link: the device⇄host link (throttle it to reproduce PCIe on a CPU-only machine).
         device: where the device tier lives; None picks CUDA when available, else the CPU.
     """

@@ -111,7 +111,7 @@ def test_cancel_and_close_without_drain(model: Any, tokenizer: Any) -> None:
 
 def test_llm_with_batching_and_sampling(model: Any, tokenizer: Any) -> None:
     params = SamplingParams(temperature=0.9, top_k=50, max_tokens=12, seed=3)
-    with LLM(model, tokenizer=tokenizer, config=engine_config()) as serial:
+    with LLM(model, tokenizer=tokenizer, config=engine_config(max_batch_size=1)) as serial:
         expected = serial.generate(prompts(), params)
     with LLM(model, tokenizer=tokenizer, config=batching(engine_config())) as batched:
         outs = batched.generate(prompts(), params)

@@ -121,7 +121,7 @@ def test_seeded_sampling_reproduces(engine: Engine) -> None:
 
 
 def test_queue_full_raises_and_cancel_ends_requests(model: Any, tokenizer: Any) -> None:
-    with Engine(model, tokenizer, engine_config(max_queued=1)) as engine:
+    with Engine(model, tokenizer, engine_config(max_queued=1, max_batch_size=1)) as engine:
         long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
         running = engine.submit(STORY, long)
         events = iter(running)

@@ -45,13 +45,18 @@ def tiny_model(tokenizer: Any, seed: int = 0) -> Any:
 
 
 def engine_config(
-    max_queued: int = 64, disk_dir: str | None = None, host_chunks: int = 512
+    max_queued: int = 64,
+    disk_dir: str | None = None,
+    host_chunks: int = 512,
+    max_batch_size: int = 4,
 ) -> EngineConfig:
-    """Small tiers in 16-token chunks: an 8-chunk device budget, a host pool, maybe disk."""
+    """Small tiers in 16-token chunks: an 8-chunk device budget per sequence, a host pool,
+    maybe disk; continuous batching of ``max_batch_size`` sequences (1: one at a time)."""
     shape = model_config("llama")  # the tiny shape; the layout does not depend on the vocabulary
     chunk_nbytes = KVLayout.from_model_config(shape, torch.float32, CHUNK).chunk_nbytes
     return EngineConfig(
         max_queued=max_queued,
+        max_batch_size=max_batch_size,
         cache=TieredCacheConfig(
             device_budget_bytes=8 * chunk_nbytes, staging_bytes=4 * chunk_nbytes
         ),

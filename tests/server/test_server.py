@@ -206,7 +206,7 @@ def test_api_key_is_required_on_v1_routes(server: ServerThread) -> None:
 
 
 def test_full_queue_answers_429_then_serves_again(model: Any, tokenizer: Any) -> None:
-    with Engine(model, tokenizer, engine_config(max_queued=1)) as engine:
+    with Engine(model, tokenizer, engine_config(max_queued=1, max_batch_size=1)) as engine:
         server = ServerThread(create_app(engine, NAME))
         try:
             client = server.client(max_retries=0)
@@ -291,6 +291,18 @@ def test_concurrent_streaming_clients_all_complete(server: ServerThread, engine:
     with ThreadPoolExecutor(CLIENTS) as pool:
         results = list(pool.map(ask, range(CLIENTS)))
     assert engine.stats().requests_finished - before == CLIENTS
+    # Memory stayed within the configured budgets: the caches reserved at start, each
+    # within its device budget at its peak, the host tier within its capacity.
+    config = engine.config
+    assert len(engine.caches) == config.max_running > 1
+    for cache in engine.caches:
+        assert cache.peak_device_nbytes <= config.cache.device_budget_bytes
+        assert cache.staging_nbytes <= config.cache.staging_bytes
+    stats = engine.stats()
+    assert stats.cache is not None
+    assert stats.cache.device_budget_bytes <= config.total_device_budget_bytes
+    assert engine.manager.host.used_bytes <= engine.manager.host.capacity_bytes
+    assert stats.max_decode_batch > 1  # the clients were served together
     for i, (text, reason, tokens) in enumerate(results):
         ids = engine.encode_chat(
             [

@@ -9,7 +9,14 @@ from functools import partial
 import pytest
 import torch
 
-from kvtier.transfer import CopyStep, Link, TransferError, TransferHandle, layer_copy_steps
+from kvtier.transfer import (
+    CopyStep,
+    Link,
+    LinkStats,
+    TransferError,
+    TransferHandle,
+    layer_copy_steps,
+)
 
 WAIT_S = 5.0  # generous bound for things that must happen; never reached when correct
 
@@ -191,6 +198,15 @@ def test_stats_add_up(link: Link) -> None:
     assert 0 < stats.max_inflight_bytes_seen <= 100
     link.stats().steps = 99  # a copy: mutating it changes nothing
     assert link.stats().steps == 6
+
+
+def test_link_stats_total_adds_counters_and_keeps_the_largest_in_flight_peak() -> None:
+    a = LinkStats(transfers=2, bytes=100, busy_s=1.0, wait_s=0.5, max_inflight_bytes_seen=64)
+    b = LinkStats(transfers=1, bytes=50, busy_s=0.5, wait_s=0.25, max_inflight_bytes_seen=32)
+    total = LinkStats.total([a, b])
+    assert (total.transfers, total.bytes, total.max_inflight_bytes_seen) == (3, 150, 64)
+    assert (total.busy_s, total.wait_s) == (1.5, 0.75)
+    assert total.achieved_gbps == 150 / 1.5 / 1e9
 
 
 @pytest.mark.gpu

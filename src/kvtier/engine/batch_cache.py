@@ -1,15 +1,16 @@
-"""``BatchCache``: one batched decode forward over sequences of different lengths.
+"""``BatchCache``: one forward over several sequences packed end to end in one row.
 
 Each running sequence keeps its own ``TieredCache`` (batch size 1: its own chunks, tail,
-device tier and streams). A decode step feeds one new token per sequence as one batch
-``[B, 1]`` with explicit ``position_ids [B, 1]`` (each row's own length); ``update``
-hands row ``b``'s K/V to row ``b``'s cache and returns a ``BatchView`` of the rows'
-``LayerView``s, and kvtier's attention attends each query row through its own cache. The
-dense parts of the model (projections, MLP, logits) run batched; attention is per row, so
-no row is padded to the longest.
+device tier and streams). A scheduler step packs every sequence's new tokens — one token
+for a decoding sequence, a prefill piece for a prefilling one — into a single row
+``[1, N]`` with explicit ``position_ids`` (each span its own positions). ``update`` hands
+each span's K/V to its sequence's cache and returns a ``PackedView``; kvtier's attention
+attends each span through its own cache. The dense parts of the model (projections, MLP,
+logits) run once over all N tokens, so nothing is padded and decode tokens ride along
+with prefill pieces.
 
-Lifecycle: build one ``BatchCache`` per decode step over the caches of the rows in that
-step; it holds no state of its own beyond the step.
+Lifecycle: build one ``BatchCache`` per step over the caches of that step's sequences; it
+holds no state of its own beyond the step.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any
 import torch
 
 from kvtier.hf.cache import (
-    BatchView,
     FacadeLayer,
+    PackedView,
     SelfManagedCache,
     TieredCache,
     capture_ids,
@@ -31,24 +32,36 @@ from kvtier.hf.cache import (
 
 
 class BatchCache(SelfManagedCache):
-    """A transformers cache over one ``TieredCache`` per batch row, for decode steps.
+    """A transformers cache over one ``TieredCache`` per packed span, for one step.
 
-    The mask transformers builds from ``get_seq_length``/``get_mask_sizes`` (the longest
-    row) is not used: kvtier's mask hook passes only the padding mask (None here, no
-    ``attention_mask`` is given) and each row's cache applies its own causal rule.
+    The mask transformers builds from ``get_seq_length``/``get_mask_sizes`` is not used:
+    kvtier's mask hook passes only the padding mask (None here, no ``attention_mask`` is
+    given) and each sequence's cache applies its own causal rule.
 
     Args:
-        model: the model the row caches serve (its input-id hook feeds ``update``).
-        rows: the row caches in batch order; each holds one sequence (batch size 1).
+        model: the model the caches serve (its input-id hook feeds ``update``).
+        rows: the sequences' caches in packed order; each holds one sequence.
+        tokens: how many new tokens each sequence has in the packed row (>= 1 each).
 
-    Thread-safety: one forward at a time; the row caches must not be used elsewhere during
-    it.
+    Thread-safety: one forward at a time; the caches must not be used elsewhere during it.
     """
 
-    def __init__(self, model: torch.nn.Module, rows: Sequence[TieredCache]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, rows: Sequence[TieredCache], tokens: Sequence[int]
+    ) -> None:
         if not rows:
-            raise ValueError("rows: a batch needs at least one row cache")
+            raise ValueError("rows: a step needs at least one sequence cache")
+        if len(tokens) != len(rows) or min(tokens) < 1:
+            raise ValueError(
+                f"tokens: one count >= 1 per row ({len(rows)} rows), got {list(tokens)}"
+            )
         self.rows = list(rows)
+        self.spans: list[tuple[int, int]] = []
+        start = 0
+        for count in tokens:
+            self.spans.append((start, count))
+            start += count
+        self.total_tokens = start
         self._model = weakref.ref(model)
         super().__init__(layers=[FacadeLayer(self) for _ in range(rows[0].layout.num_layers)])
 
@@ -59,24 +72,27 @@ class BatchCache(SelfManagedCache):
         layer_idx: int,
         *args: Any,
         **kwargs: Any,
-    ) -> tuple[BatchView, BatchView]:
-        """Hand row ``b`` of the new K/V ``[B, Hkv, N, D]`` to row cache ``b``."""
-        if key_states.shape[0] != len(self.rows):
+    ) -> tuple[PackedView, PackedView]:
+        """Hand span ``i`` of the new K/V ``[1, Hkv, N, D]`` to cache ``i``."""
+        if key_states.shape[0] != 1 or key_states.shape[2] != self.total_tokens:
             raise ValueError(
-                f"BatchCache: a forward of {key_states.shape[0]} rows over {len(self.rows)} "
-                "row caches"
+                f"BatchCache: a forward of shape {tuple(key_states.shape[:3])} over "
+                f"{len(self.rows)} sequences packed in one row of {self.total_tokens} tokens"
             )
         model = self._model()
         ids = take_ids(model) if layer_idx == 0 and model is not None else None
         views = []
-        for b, cache in enumerate(self.rows):
+        for (start, count), cache in zip(self.spans, self.rows, strict=True):
+            stop = start + count
             if ids is not None and model is not None:
-                # The row cache keys its chunks by the ids it finds for its model at layer 0.
-                capture_ids(model, ids[b : b + 1])
-            view, _ = cache.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx)
+                # The sequence's cache keys its chunks by the ids it finds at layer 0.
+                capture_ids(model, ids[:, start:stop])
+            view, _ = cache.update(
+                key_states[:, :, start:stop], value_states[:, :, start:stop], layer_idx
+            )
             views.append(view)
-        batch = BatchView(layer_idx, views)
-        return batch, batch
+        packed = PackedView(layer_idx, views, self.spans)
+        return packed, packed
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(cache.seq_len for cache in self.rows)
@@ -87,4 +103,4 @@ class BatchCache(SelfManagedCache):
 
     @property
     def batch_size(self) -> int:
-        return len(self.rows)
+        return 1

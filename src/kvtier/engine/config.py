@@ -19,34 +19,34 @@ class EngineConfig:
         cache: the per-sequence device cache (device budget, staging, device⇄host link).
         manager: the shared tiers below the device (host, disk), chunk size and write
             policy: the KV every request can reuse.
-        max_batch_size: most sequences decoded together. 1 (the default) serves one
-            request at a time; more turns on continuous batching: requests are admitted
-            while their device budget fits, prefilled in chunk-sized pieces between decode
-            steps, and decoded together in one batched forward.
-        device_budget_bytes: device bytes for all running sequences together (continuous
-            batching): each running sequence holds ``cache.device_budget_bytes``, and a
-            request is admitted only while the sum stays within this. None:
+        max_batch_size: most sequences run together (continuous batching): requests are
+            admitted while the device budget has room, prefilled in chunk-sized pieces and
+            decoded together, all in one packed forward per step. 1 serves one request at
+            a time, in admission order.
+        device_budget_bytes: device bytes for all running sequences together: the engine
+            reserves one ``cache.device_budget_bytes`` cache per sequence that fits (at
+            most ``max_batch_size``) when it starts. None:
             ``max_batch_size × cache.device_budget_bytes``.
-        preempt_after_s: with continuous batching, when the oldest waiting request has
+        preempt_after_s: when the oldest waiting request has
             waited this long and does not fit, the youngest decoding sequence is preempted:
             its KV stays in the host/disk tiers and it resumes later from there. None:
             never preempt.
-        prefill_tokens_per_step: with continuous batching, prompt tokens prefilled
-            between two decode steps, in forwards of up to that many tokens ending on chunk
-            boundaries. None: one chunk, so running sequences wait at most one chunk's
-            forward; more trades their inter-token latency for throughput (fewer, fuller
-            decode steps and larger prefill forwards).
+        prefill_tokens_per_step: prompt tokens a step's forward carries besides the
+            decoding sequences' tokens, in pieces ending on chunk boundaries (one piece per
+            prefilling sequence). None: one chunk, so decoding sequences wait at most one
+            chunk's prefill per token; more trades their inter-token latency for
+            throughput (fewer steps, larger forwards).
     """
 
     max_queued: int = 64
     max_model_len: int | None = None
     cache: TieredCacheConfig = field(
-        default_factory=lambda: TieredCacheConfig(device_budget_bytes=256 * MiB)
+        default_factory=lambda: TieredCacheConfig(device_budget_bytes=128 * MiB)
     )
     manager: ManagerConfig = field(
         default_factory=lambda: ManagerConfig(host=HostConfig(capacity_bytes=1024 * MiB))
     )
-    max_batch_size: int = 1
+    max_batch_size: int = 8
     device_budget_bytes: int | None = None
     preempt_after_s: float | None = None
     prefill_tokens_per_step: int | None = None

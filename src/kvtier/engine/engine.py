@@ -2,11 +2,10 @@
 
 Each request reuses the longest cached prefix of its prompt from any tier, prefills the
 rest in chunk-sized pieces, then decodes token by token with its own sampling parameters.
-With ``max_batch_size == 1`` (the default) the worker serves one request at a time, in
-admission order (``_serve``). With more, ``kvtier.engine.scheduler.BatchScheduler`` runs
-continuous batching: a ``step()`` over many sequences — schedule → run (a prefill piece,
-one batched decode forward) → postprocess. The request, handle, sampling and stats types
-are the same for both.
+The worker runs ``kvtier.engine.scheduler.BatchScheduler``: continuous batching, a
+``step()`` over every running sequence — schedule → run (one forward packing prefill pieces
+and every decoding sequence's next token) → postprocess. ``max_batch_size = 1`` serves one
+request at a time in admission order.
 """
 
 from __future__ import annotations
@@ -33,10 +32,10 @@ from kvtier.engine.request import (
     TokenEvent,
     as_prompt_ids,
 )
-from kvtier.engine.sampling import TextStream, make_generator, sample
+from kvtier.engine.sampling import TextStream
 from kvtier.engine.stats import EngineStats, LatencyHistogram
 from kvtier.hf import TieredCache
-from kvtier.hf.generate import prefill
+from kvtier.hf.cache import CacheStats
 from kvtier.kv import KVLayout
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
@@ -45,18 +44,15 @@ from kvtier.models import load_model, model_identity
 class Engine:
     """Generates for queued requests from one model, over kvtier's tiers.
 
-    Every request is served through the engine's ``TieredCache`` (its own device tier and
-    device⇄host link) over one shared ``KVManager`` (host and disk tiers). Sealed chunks
-    stay in the tiers after a request, so a later request or conversation turn that shares
-    a prefix adopts that KV instead of recomputing it; the device tier is kept between
-    requests (only ``reset``), so recent chunks are found there first.
-
-    With ``config.max_batch_size == 1`` one request is generated at a time, in admission
-    order, and the others wait in the queue. With more, requests are batched continuously
-    (see ``kvtier.engine.scheduler``): each running sequence has its own ``TieredCache``.
+    The engine reserves one ``TieredCache`` per sequence it may run at once
+    (``config.max_running``: its own device tier, tail and device⇄host link) when it
+    starts, over one shared ``KVManager`` (host and disk tiers). Sealed chunks stay in the
+    tiers after a request, so a later request or conversation turn that shares a prefix
+    adopts that KV instead of recomputing it. Requests are batched continuously (see
+    ``kvtier.engine.scheduler``).
 
     Thread-safety: ``submit``, ``stats`` and ``close`` may be called from any thread. The
-    model, the tokenizer's decode and the cache are used only by the worker thread (and
+    model, the tokenizer's decode and the caches are used only by the worker thread (and
     by ``encode``/``encode_chat``, which only tokenize).
 
     Args:
@@ -93,7 +89,9 @@ class Engine:
             layout = KVLayout.from_model_config(model.config, dtype, chunk_tokens)
             manager = KVManager(layout, self.model_id, self.config.manager)
         self.manager = manager
-        self.cache = self._new_cache()
+        from kvtier.engine.scheduler import BatchScheduler
+
+        self._scheduler = BatchScheduler(self)  # reserves the caches (the device budget)
         self._cond = threading.Condition()
         self._queue: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
@@ -229,7 +227,9 @@ class Engine:
             ttft=self._ttft.snapshot(),
             inter_token=self._inter_token.snapshot(),
             manager=self.manager.stats(),
-            cache=self.cache.stats() if self.cache.device_tier is not None else None,
+            cache=CacheStats.total(caches)
+            if (caches := [c.stats() for c in self.caches])
+            else None,
             decode_steps=counts["decode_steps"],
             decode_rows=counts["decode_rows"],
             max_decode_batch=max_batch,
@@ -262,7 +262,7 @@ class Engine:
                     handle.cancel()
             self._cond.notify_all()
         self._worker.join()
-        self.cache.close()
+        self._scheduler.close()
         if self._owns_manager:
             self.manager.close(flush_host_to_disk=self.manager.disk is not None)
 
@@ -274,36 +274,14 @@ class Engine:
 
     # ---- the worker ------------------------------------------------------------------------
 
+    @property
+    def caches(self) -> list[TieredCache]:
+        """The sequences' caches (each with its device tier), reserved at start."""
+        return list(self._scheduler.caches)
+
     def _run(self) -> None:
+        scheduler = self._scheduler
         with torch.no_grad():  # grad mode is per thread
-            if self.config.max_batch_size > 1:
-                self._run_batched()
-                return
-            while True:
-                with self._cond:
-                    while not self._queue and not self._closing:
-                        self._cond.wait()
-                    if not self._queue:
-                        return
-                    handle = self._queue.popleft()
-                    self._running = [handle]
-                try:
-                    self._serve(handle)
-                except Exception as exc:
-                    self._count("failed")
-                    handle.fail(exc)
-                    self.cache.close()  # its state is unknown after an error: start afresh
-                    self.cache = self._new_cache()
-                finally:
-                    self.cache.reset()
-                    with self._cond:
-                        self._running = []
-
-    def _run_batched(self) -> None:
-        from kvtier.engine.scheduler import BatchScheduler
-
-        scheduler = BatchScheduler(self)
-        try:
             while True:
                 with self._cond:
                     while not self._queue and not scheduler.busy and not self._closing:
@@ -314,33 +292,6 @@ class Engine:
                     scheduler.step()
                 except Exception as exc:  # a scheduler fault: its sequences fail, not the engine
                     scheduler.fail_all(exc)
-        finally:
-            scheduler.close()
-
-    def _serve(self, handle: RequestHandle) -> FinishReason:
-        request, params = handle.request, handle.request.params
-        if handle.cancelled:
-            self._count("cancelled")
-            handle.put(TokenEvent(request.request_id, None, "", True, "cancelled"))
-            return "cancelled"
-        ids = torch.tensor([request.prompt_ids], dtype=torch.long)  # [1, S]
-        cache = self.cache
-        cache.reset()
-        tiers = self._prefix_tiers(request.prompt_ids)
-        reused = prefill(self.model, cache, ids)  # adopts the cached prefix, then whole chunks
-        handle.reused_tokens = reused
-        self._count_prompt(len(request.prompt_ids), reused, tiers)
-        logits = self._forward(ids[:, cache.seq_len :])  # [V] for the next token
-        generator = None if params.greedy else make_generator(params.seed, logits.device)
-        text = TextStream(self.tokenizer, params.stop, request.prompt_ids)
-        last_s = request.arrival_s
-        for step in range(params.max_tokens):
-            token = sample(logits, params, generator)
-            reason, last_s = self._emit(handle, text, step, token, last_s)
-            if reason is not None:
-                return reason
-            logits = self._forward(torch.tensor([[token]], dtype=torch.long))
-        raise AssertionError("unreachable: the last step always finishes")
 
     def _emit(
         self, handle: RequestHandle, text: TextStream, step: int, token: int, last_s: float
@@ -370,24 +321,12 @@ class Engine:
         with self._cond:
             self._max_decode_batch = max(self._max_decode_batch, rows)
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """One forward of ``ids [1, N]`` through the cache; the last position's logits."""
-        out = self.model(ids.to(self.device), cache=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]  # [V]
-
-    def _prefix_tiers(
-        self, prompt_ids: Sequence[int], cache: TieredCache | None = None
-    ) -> list[str]:
-        """For each cached leading chunk of the prompt, the tier that holds it now (the
-        device tier of ``cache``, default the engine's serial cache, counts as device)."""
+    def _prefix_tiers(self, prompt_ids: Sequence[int]) -> list[str]:
+        """For each cached leading chunk of the prompt, the tier that holds it now."""
         size = self.manager.layout.chunk_tokens
         limit = ((len(prompt_ids) - 1) // size) * size  # reuse_prefix leaves the last token
-        device = (cache or self.cache).device_tier
         names: list[str] = []
         for ref in self.manager.refs_for(list(prompt_ids[:limit])):
-            if device is not None and device.contains(ref):
-                names.append("device")
-                continue
             tier = self.manager.locate(ref)
             if tier is None:
                 break

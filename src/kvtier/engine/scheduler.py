@@ -1,4 +1,4 @@
-"""Continuous batching: the engine's worker when ``max_batch_size > 1``.
+"""Continuous batching: what the engine's worker runs.
 
 Every ``step`` reads schedule → run → postprocess:
 
@@ -9,10 +9,10 @@ Every ``step`` reads schedule → run → postprocess:
    sequence that has run that long, once no admitted sequence is still prefilling (its
    sealed chunks are already in host and stay there or go down to disk; it resumes later
    through ``reuse_prefix``).
-2. **run**: prefill pieces (whole chunks) of the oldest admitted sequences still
-   prefilling (one chunk, or up to ``prefill_tokens_per_step`` tokens), then one batched
-   decode forward of every decoding sequence (one token each, different lengths, through
-   ``BatchCache``).
+2. **run**: one forward over the step's tokens packed in one row (``BatchCache``): the
+   next prefill piece (whole chunks) of the oldest admitted sequences still prefilling
+   (one chunk, or up to ``prefill_tokens_per_step`` tokens), and the last token of every
+   decoding sequence (different lengths, no padding).
 3. **postprocess**: sample each row with its own parameters and generator, stream the
    token, finish or keep each sequence.
 """
@@ -78,7 +78,10 @@ class BatchScheduler:
         self._piece_chunks = max(1, budget // self.chunk_tokens)
         self.running: list[_Sequence] = []
         self.preempted: deque[_Sequence] = deque()  # waiting to resume, oldest first
-        self.idle: list[TieredCache] = []  # caches of finished sequences, for reuse
+        # One cache per sequence that may run, reserved now: the device budget is taken
+        # at start and no request pays the first touch of its buffers.
+        self.caches: list[TieredCache] = [self._fresh_cache() for _ in range(self.max_running)]
+        self.idle: list[TieredCache] = list(self.caches)  # caches no sequence holds
         self._admissions = itertools.count()
         self._known: dict[RequestHandle, _Sequence] = {}  # queued requests seen so far
 
@@ -88,35 +91,49 @@ class BatchScheduler:
         return bool(self.running or self.preempted)
 
     def step(self) -> None:
-        """One scheduling step: schedule, run one prefill piece and one decode batch."""
+        """One scheduling step: schedule, then one forward of every running sequence."""
         self._schedule()
-        budget = self.config.prefill_tokens_per_step
+        if self.running:
+            self._run(self._pieces())
+
+    def _pieces(self) -> list[tuple[_Sequence, int, int]]:
+        """This step's work: ``(sequence, start, stop)`` of the ids each one feeds.
+
+        Prefilling sequences, oldest first, give their next piece while the step's prefill
+        budget lasts (at least one piece); every decoding sequence gives its last token.
+        """
+        budget = self.config.prefill_tokens_per_step or self.chunk_tokens
+        work: list[tuple[_Sequence, int, int]] = []
         spent = 0
-        while True:  # at least one piece; more while the step's prefill budget lasts
-            prefilling = [s for s in self.running if not s.decoding]
-            if not prefilling:
+        prefilling = sorted((s for s in self.running if not s.decoding), key=lambda s: s.admitted)
+        for seq in prefilling:
+            start, stop = seq.pieces[0]
+            if work and spent + stop - start > budget:
                 break
-            spent += self._prefill_piece(min(prefilling, key=lambda s: s.admitted))
-            if budget is None or spent >= budget:
-                break
-        decoding = [s for s in self.running if s.decoding]
-        if decoding:
-            self._decode(decoding)
+            seq.pieces.popleft()
+            work.append((seq, start, stop))
+            spent += stop - start
+        end = len(work)
+        for seq in self.running:
+            if seq.decoding:
+                work.append((seq, len(seq.ids) - 1, len(seq.ids)))
+        if end < len(work):
+            self.engine._count("decode_steps")
+            self.engine._count("decode_rows", len(work) - end)
+            self.engine._observe_batch(len(work) - end)
+        return work
 
     def close(self) -> None:
-        """Release every cache (worker exit)."""
-        for seq in self.running:
-            if seq.cache is not None:
-                seq.cache.close()
-        for cache in self.idle:
+        """Release every cache (engine close, after the worker has exited)."""
+        for cache in self.caches:
             cache.close()
-        self.running, self.idle = [], []
+        self.running, self.idle, self.caches = [], [], []
 
     def fail_all(self, exc: Exception) -> None:
-        """End every running and preempted sequence with ``exc``; drop their caches."""
+        """End every running and preempted sequence with ``exc``; replace their caches."""
         for seq in [*self.running, *self.preempted]:
             if seq.cache is not None:
-                seq.cache.close()
+                self._discard(seq.cache)
                 seq.cache = None
             self._fail(seq, exc)
         self.running, self.preempted = [], deque()
@@ -226,13 +243,13 @@ class BatchScheduler:
 
     def _admit(self, seq: _Sequence) -> None:
         engine = self.engine
-        cache = self.idle.pop() if self.idle else engine._new_cache()
+        cache = self.idle.pop()
         first = seq.admissions == 0
-        tiers = engine._prefix_tiers(seq.ids, cache) if first else []
+        tiers = engine._prefix_tiers(seq.ids) if first else []
         try:
             reused = cache.reuse_prefix(torch.tensor([seq.ids], dtype=torch.long))
         except Exception as exc:
-            cache.close()
+            self._discard(cache)
             self._fail(seq, exc)
             return
         if first:
@@ -253,57 +270,46 @@ class BatchScheduler:
 
     # ---- run -------------------------------------------------------------------------------
 
-    def _prefill_piece(self, seq: _Sequence) -> int:
-        """One chunk-sized prefill forward; the last piece's logits give the next token.
-
-        Returns the piece's tokens."""
+    def _run(self, work: list[tuple[_Sequence, int, int]]) -> None:
+        """One forward over every sequence's new tokens, packed in one row; then sample the
+        sequences whose prompt is complete (decoding ones, and prefills' last pieces)."""
         engine = self.engine
-        cache = seq.cache
-        assert cache is not None
-        start, stop = seq.pieces.popleft()
-        ids = torch.tensor([seq.ids[start:stop]], dtype=torch.long, device=engine.device)
-        try:
-            out = engine.model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-        except Exception as exc:
-            self.running.remove(seq)
-            cache.close()
-            seq.cache = None
-            self._fail(seq, exc)
-            return stop - start
-        if not seq.pieces:
-            seq.decoding = True
-            self._postprocess(seq, out.logits[0, -1])
-        return stop - start
-
-    def _decode(self, rows: list[_Sequence]) -> None:
-        """One batched forward: the last token of every decoding sequence."""
-        engine = self.engine
-        caches = [s.cache for s in rows]
-        assert all(c is not None for c in caches)
-        batch = BatchCache(engine.model, [c for c in caches if c is not None])
-        ids = torch.tensor([[s.ids[-1]] for s in rows], dtype=torch.long, device=engine.device)
-        positions = torch.tensor(
-            [[c.seq_len] for c in caches if c is not None], dtype=torch.long, device=engine.device
-        )  # [B, 1]: each row's own next position
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []  # packed index of each sampled sequence's last token
+        sampled: list[_Sequence] = []
+        for seq, start, stop in work:
+            cache = seq.cache
+            assert cache is not None
+            ids.extend(seq.ids[start:stop])
+            positions.extend(range(cache.seq_len, cache.seq_len + stop - start))
+            if seq.decoding or not seq.pieces:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        caches = [seq.cache for seq, _, _ in work if seq.cache is not None]
+        batch = BatchCache(engine.model, caches, [stop - start for _, start, stop in work])
+        device = engine.device
         try:
             out = engine.model(
-                ids, position_ids=positions, cache=batch, use_cache=True, logits_to_keep=1
+                torch.tensor([ids], dtype=torch.long, device=device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                cache=batch,
+                use_cache=True,
+                logits_to_keep=torch.tensor(logit_rows or [len(ids) - 1], device=device),
             )
         except Exception as exc:
-            # Which row failed is unknown: every row of the step fails, the engine goes on.
-            for seq in rows:
+            # Which sequence failed is unknown: every one of the step fails, the engine goes on.
+            for seq, _, _ in work:
                 self.running.remove(seq)
                 if seq.cache is not None:
-                    seq.cache.close()
+                    self._discard(seq.cache)
                     seq.cache = None
                 self._fail(seq, exc)
             return
-        engine._count("decode_steps")
-        engine._count("decode_rows", len(rows))
-        engine._observe_batch(len(rows))
-        logits = out.logits[:, -1]  # [B, V]
-        for b, seq in enumerate(rows):
-            self._postprocess(seq, logits[b])
+        logits = out.logits[0]  # [len(logit_rows), V]
+        for i, seq in enumerate(sampled):
+            seq.decoding = True
+            self._postprocess(seq, logits[i])
 
     # ---- postprocess -----------------------------------------------------------------------
 
@@ -324,8 +330,27 @@ class BatchScheduler:
             self._sync_counts()
 
     def _release(self, cache: TieredCache) -> None:
+        """Keep a finished sequence's cache for the next one, its device tier emptied.
+
+        The chunks are in the host tier already; an empty device tier fills from slot 0
+        again, so the next sequence's resident chunks lie end to end (attention reads
+        them without a mask)."""
         cache.reset()
+        if cache.device_tier is not None:
+            cache.device_tier.clear()
         self.idle.append(cache)
+
+    def _fresh_cache(self) -> TieredCache:
+        cache = self.engine._new_cache()
+        cache.reserve(open_chunks=self._piece_chunks)
+        return cache
+
+    def _discard(self, cache: TieredCache) -> None:
+        """Replace a cache whose state is unknown after an error with a fresh one."""
+        cache.close()
+        fresh = self._fresh_cache()
+        self.caches[self.caches.index(cache)] = fresh
+        self.idle.append(fresh)
 
     def _finish_cancelled(self, seq: _Sequence) -> None:
         self.engine._count("cancelled")

@@ -111,9 +111,8 @@ class EngineStats:
         ttft: time to first token, from submission (queueing included).
         inter_token: time between consecutive tokens of a request.
         manager: the shared tiers (host, disk) and the host⇄disk link.
-        cache: the device tier and the device⇄host link of the engine's cache; None before
-            the first request (and with continuous batching, where each running sequence
-            has its own cache).
+        cache: the sequences' caches added up (their device tiers, tails and device⇄host
+            links); None once the engine is closed.
         decode_steps: batched decode forwards run (continuous batching only).
         decode_rows: sequences decoded over those forwards (their sum of batch sizes).
         max_decode_batch: the most sequences one decode forward has carried.

@@ -19,8 +19,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvtier.attention import SegmentResult, attend_segment, merge
-from kvtier.hf.cache import BatchView, LayerView, TieredCache, capture_ids
+from kvtier.attention import SegmentResult, attend_own_keys, attend_segment, merge
+from kvtier.hf.cache import LayerView, PackedView, TieredCache, capture_ids
 
 ATTENTION_NAME = "kvtier"
 
@@ -61,10 +61,8 @@ def tiered_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [B, Hq, Sq, D]`` → ``[B, Sq, Hq, D]``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(key, BatchView):
-        # One cache per row (sequences of different lengths): each row through its own.
-        outs = [_attend_view(row, query[b : b + 1], None, scale) for b, row in enumerate(key.rows)]
-        return torch.cat(outs, dim=0), None
+    if isinstance(key, PackedView):
+        return _attend_packed(key, query, scale), None
     if not isinstance(key, LayerView):
         mask = (
             attention_mask.sdpa_mask()
@@ -94,13 +92,102 @@ def _attend_view(
     return out.transpose(1, 2).contiguous()
 
 
+def _attend_packed(view: PackedView, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer of several sequences packed in one row: ``query [1, Hq, N, D]`` →
+    ``[1, N, Hq, D]``, each span through its own cache.
+
+    Decode spans (one query) whose whole KV is resident and unpadded take a fast path:
+    one attention call per segment and row, and one merge for all of them.
+    """
+    rows = view.rows
+    if view.layer_idx == 0:
+        for row in rows:
+            row.cache.observe_padding(None)
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    decodes: list[tuple[int, LayerView]] = []
+    for (start, length), row in zip(view.spans, rows, strict=True):
+        if length == 1 and _resident_decode(row):
+            decodes.append((start, row))
+            continue
+        result = _attend_layer(row.cache, row, query[:, :, start : start + length], scale)
+        out[:, start : start + length] = result.transpose(1, 2)
+    if decodes:
+        _attend_decodes(decodes, query, scale, out)
+    if view.layer_idx == rows[0].cache.layout.num_layers - 1:
+        for row in rows:
+            row.cache.end_forward()
+    return out
+
+
+def _resident_decode(view: LayerView) -> bool:
+    """Nothing streams and no padding: resident chunks and the tail are the whole KV."""
+    cache = view.cache
+    plan = cache.plan
+    return (
+        not plan.pieces
+        and plan.resident_valid is None
+        and cache.recent_valid(view.recent_start, view.recent_key.shape[2]) is None
+    )
+
+
+def _attend_decodes(
+    decodes: list[tuple[int, LayerView]], query: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """One query per row over its resident chunks and its tail; writes ``out[0, start]``.
+
+    Rows with resident chunks get two partial results, merged for all rows at once.
+    """
+    hq, dim = query.shape[1], query.shape[3]
+    merged: list[tuple[list[int], SegmentResult]] = []
+    both: list[int] = []
+    tail_only: list[int] = []
+    resident: list[SegmentResult] = []
+    tails: list[SegmentResult] = []
+    tails_alone: list[SegmentResult] = []
+    for start, row in decodes:
+        cache = row.cache
+        plan = cache.plan
+        q = query[:, :, start : start + 1]  # [1, Hq, 1, D]
+        tail = attend_segment(q, row.recent_key, row.recent_value, scale)
+        if not plan.resident:
+            tail_only.append(start)
+            tails_alone.append(tail)
+            continue
+        assert cache.device_tier is not None
+        keys, values = cache.device_tier.layer_kv(row.layer_idx)  # [H, S, T, D]
+        heads = keys.shape[0]
+        keys = keys[:, plan.resident_slots].reshape(heads, -1, dim).unsqueeze(0)
+        values = values[:, plan.resident_slots].reshape(heads, -1, dim).unsqueeze(0)
+        resident.append(attend_segment(q, keys, values, scale))
+        tails.append(tail)
+        both.append(start)
+    if both:
+        merged.append((both, merge([_stack(resident), _stack(tails)])))
+    if tail_only:
+        merged.append((tail_only, _stack(tails_alone)))
+    for starts, result in merged:
+        index = torch.tensor(starts, dtype=torch.long, device=out.device)
+        rows = result.out.reshape(len(starts), hq, dim).to(out.dtype)  # [R, Hq, D]
+        out[0].index_copy_(0, index, rows)
+
+
+def _stack(results: list[SegmentResult]) -> SegmentResult:
+    """Rows of batch-1 results ``[1, ...]`` as one result ``[R, ...]``."""
+    return SegmentResult(torch.cat([r.out for r in results]), torch.cat([r.lse for r in results]))
+
+
 def _attend_layer(
     cache: TieredCache, view: LayerView, query: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Segments of one layer, merged; queries in blocks to bound the score matrix."""
+    """Segments of one layer, merged; queries in blocks to bound the score matrix.
+
+    On the CPU the queries are one block: torch's fused flash kernel tiles them itself.
+    A pass that starts on a chunk boundary (no tail before it) and has no padding attends
+    its new tokens with the kernel's causal flag instead of a mask.
+    """
     plan = cache.plan
     sq = query.shape[2]
-    block = cache.config.query_block_tokens
+    block = sq if query.device.type == "cpu" else cache.config.query_block_tokens
     starts = list(range(0, sq, block))
     partial: list[list[SegmentResult]] = [[] for _ in starts]
     q0 = cache.seq_len - sq  # absolute position of the first query
@@ -120,6 +207,9 @@ def _attend_layer(
         streamer.release(index)
     recent_len = view.recent_key.shape[2]
     valid_mask = cache.recent_valid(view.recent_start, recent_len)
+    if len(starts) == 1 and recent_len == sq and valid_mask is None and sq > 1:
+        partial[0].append(attend_own_keys(query, view.recent_key, view.recent_value, scale))
+        starts = []
     for i, start in enumerate(starts):
         q = query[:, :, start : start + block]
         partial[i].append(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,20 +68,23 @@ class LayerView:
 
 
 @dataclass
-class BatchView:
-    """One layer of a batched decode over several ``TieredCache``s, one row each.
+class PackedView:
+    """One layer of a forward over several ``TieredCache``s packed into one row.
 
-    Handed to the attention function by a cache that keeps one ``TieredCache`` per row
-    (``kvtier.engine.batch_cache.BatchCache``): row ``b`` of the query attends to
-    ``rows[b]`` through that row's own cache.
+    Handed to the attention function by a cache that keeps one ``TieredCache`` per sequence
+    (``kvtier.engine.batch_cache.BatchCache``): the forward's single row holds each
+    sequence's new tokens end to end, and the queries ``spans[i] = (start, length)`` of the
+    packed row attend to ``rows[i]`` through that sequence's own cache.
 
     Attributes:
         layer_idx: the layer.
-        rows: each row's ``LayerView`` (batch size 1 each), in batch order.
+        rows: each sequence's ``LayerView`` (batch size 1 each), in packed order.
+        spans: each sequence's ``(start, length)`` in the packed row.
     """
 
     layer_idx: int
     rows: list[LayerView]
+    spans: list[tuple[int, int]]
 
 
 @dataclass
@@ -114,6 +118,24 @@ class CacheStats:
     staging_nbytes: int
     reused_tokens: int
     sealed_chunks: int
+
+    @classmethod
+    def total(cls, items: Sequence[CacheStats]) -> CacheStats:
+        """Several caches over one manager as one (an engine's sequences): device tiers,
+        links, budgets and counts add up; the host tier is the shared one."""
+        if not items:
+            raise ValueError("items: no cache stats to add up")
+        return cls(
+            device=TierStats.total(c.device for c in items),
+            host=items[0].host,
+            link=LinkStats.total(c.link for c in items),
+            link_description=f"{len(items)} × {items[0].link_description}",
+            device_budget_bytes=sum(c.device_budget_bytes for c in items),
+            device_nbytes=sum(c.device_nbytes for c in items),
+            staging_nbytes=sum(c.staging_nbytes for c in items),
+            reused_tokens=sum(c.reused_tokens for c in items),
+            sealed_chunks=sum(c.sealed_chunks for c in items),
+        )
 
     def table(self) -> str:
         rows = [
@@ -400,6 +422,22 @@ class TieredCache(SelfManagedCache):
         self._adopt_on_device()
         return hit
 
+    def reserve(self, open_chunks: int = 2) -> None:
+        """Allocate and touch the buffers of a one-sequence batch now: the device tier,
+        the tail, the host buffer for ``open_chunks`` chunks completed in one pass (a
+        prefill piece of ``n`` chunks needs ``n + 1``), and the link.
+
+        A serving engine reserves its caches at start, so no request pays the first touch
+        of fresh memory (far slower than a copy into touched memory) and the device budget
+        is taken up front. The cache stays empty; later passes reuse these buffers.
+        """
+        if self.seq_len:
+            raise ValueError("reserve: the cache already holds tokens; call reset() first")
+        self._init_batch(1, self.device)
+        self._ensure_open(1, max(1, open_chunks))
+        self.batch_size_ = 0
+        self.refs = []
+
     @property
     def device_nbytes(self) -> int:
         """Device bytes counted against the budget: resident chunks plus the tails."""
@@ -535,7 +573,10 @@ class TieredCache(SelfManagedCache):
             )
         self.batch_size_ = rows
         self.refs = [[] for _ in range(rows)]
-        self.tails = torch.zeros((rows, *layout.chunk_shape), dtype=layout.dtype, device=device)
+        shape = (rows, *layout.chunk_shape)
+        if self.tails is None or tuple(self.tails.shape) != shape or self.tails.device != device:
+            # Only the first tail_len tokens of a tail are ever read: no need to clear it.
+            self.tails = torch.zeros(shape, dtype=layout.dtype, device=device)
         if self.device_tier is None or self.device_tier.capacity_bytes != budget - tail_nbytes:
             if self.device_tier is not None:
                 self.device_tier.close()

@@ -32,13 +32,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--max-queued", type=int, default=64, help="waiting requests; then 429")
     parser.add_argument(
-        "--device-budget-mb", type=int, default=256, help="device KV budget per sequence"
+        "--device-budget-mb", type=int, default=128, help="device KV budget per sequence"
     )
     parser.add_argument(
         "--max-batch-size",
         type=int,
-        default=1,
-        help="sequences decoded together (continuous batching when > 1)",
+        default=8,
+        help="sequences run together (continuous batching; 1 = one at a time)",
     )
     parser.add_argument("--host-mb", type=int, default=1024, help="host DRAM tier size")
     parser.add_argument("--disk-dir", default=None, help="keep KV on disk here (survives restarts)")

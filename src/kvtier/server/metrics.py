@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvtier.engine import Engine, HistogramSnapshot
+from kvtier.engine import Engine, EngineStats, HistogramSnapshot
 from kvtier.tiers.base import TierStats
 from kvtier.transfer import LinkStats
 
@@ -52,7 +52,7 @@ class EngineCollector(Collector):
             for name, tier in tiers.items():
                 family.add_metric([name], getattr(tier, attr))
             yield family
-        yield from self._occupancy()
+        yield from self._occupancy(stats)
         link_bytes = CounterMetricFamily("kvtier_link_bytes", "bytes moved", labels=["link"])
         gbps = GaugeMetricFamily("kvtier_link_gbps", "achieved GB/s while busy", labels=["link"])
         stall = CounterMetricFamily(
@@ -93,12 +93,13 @@ class EngineCollector(Collector):
                 "kvtier_inter_token_latency_seconds", "gap between tokens", stats.inter_token
             )
 
-    def _occupancy(self) -> Iterator[Metric]:
+    def _occupancy(self, stats: EngineStats) -> Iterator[Metric]:
         used = GaugeMetricFamily("kvtier_tier_used_bytes", "bytes held", labels=["tier"])
         capacity = GaugeMetricFamily("kvtier_tier_capacity_bytes", "bytes budget", labels=["tier"])
-        device = self.engine.cache.device_tier
-        tiers = ([device] if device is not None else []) + list(self.engine.manager.tiers)
-        for tier in tiers:
+        if stats.cache is not None:  # every sequence's device tier and tail together
+            used.add_metric(["device"], stats.cache.device_nbytes)
+            capacity.add_metric(["device"], stats.cache.device_budget_bytes)
+        for tier in self.engine.manager.tiers:
             used.add_metric([tier.name], tier.used_bytes)
             capacity.add_metric([tier.name], tier.capacity_bytes)
         yield from (used, capacity)

@@ -17,7 +17,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -51,6 +51,16 @@ class TierStats:
 
     def as_dict(self) -> dict[str, float]:
         return dict(asdict(self))
+
+    @classmethod
+    def total(cls, items: Iterable[TierStats]) -> TierStats:
+        """Field-wise sum: one figure for several tiers of one kind (e.g. the device tiers
+        of every running sequence)."""
+        out = cls()
+        for item in items:
+            for f in fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(item, f.name))
+        return out
 
     @property
     def put_gbps(self) -> float:

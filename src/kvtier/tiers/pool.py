@@ -8,6 +8,8 @@ into touched memory (0.41 vs 5 GB/s measured here, DESIGN §8).
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from kvtier.kv.chunk import Chunk, ChunkRef
@@ -57,13 +59,15 @@ class PoolTier(Tier):
             shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory
         )
         self.pool.zero_()  # pre-fault every page now, not on the first put
-        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._free: list[int] = list(range(self.num_slots))  # a min-heap
 
     def _alloc_slot(self) -> int | None:
-        return self._free.pop() if self._free else None
+        # The lowest free slot: chunks put into an emptied tier lie end to end from slot 0,
+        # so the device tier's attention reads them as one unmasked range.
+        return heapq.heappop(self._free) if self._free else None
 
     def _free_slot(self, slot: int) -> None:
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def slot_data(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` as a chunk-shaped view ``[L, 2, H, T, D]`` (strided if layer-major)."""

@@ -19,8 +19,8 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -58,6 +58,18 @@ class LinkStats:
     def achieved_gbps(self) -> float:
         """Bytes moved per busy second, in GB/s (1e9 bytes/s); 0 before any work."""
         return self.bytes / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
+
+    @classmethod
+    def total(cls, items: Iterable[LinkStats]) -> LinkStats:
+        """Several links as one: counters and seconds add up, the in-flight peak is the
+        largest (each link bounds its own)."""
+        out = cls()
+        for item in items:
+            for f in fields(cls):
+                mine, theirs = getattr(out, f.name), getattr(item, f.name)
+                merged = max(mine, theirs) if f.name == "max_inflight_bytes_seen" else mine + theirs
+                setattr(out, f.name, merged)
+        return out
 
 
 @dataclass
