@@ -173,7 +173,7 @@ def attend_segment(
         if mask is None:
             rows = rows.expand(mb, mh, groups, sq).reshape(mb, mh, groups * sq)
         seen = rows.expand(b, hkv, groups * sq)
-    out, lse = _attend_flat(q, k, v, flat_mask, scale, seen)
+    out, lse = attend_flat(q, k, v, flat_mask, scale, seen)
     return SegmentResult(out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq))
 
 
@@ -218,7 +218,7 @@ def attend_own_keys(query: Tensor, key: Tensor, value: Tensor, scale: float) -> 
     return SegmentResult(out, lse)
 
 
-def _attend_flat(
+def attend_flat(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, seen: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention with log-sum-exp, float32: ``q [N, H, M, D]``, ``k, v [N, H, K, D]``,

@@ -10,12 +10,17 @@ end-of-sequence ignored, so every request generates exactly 32 tokens.
 
 - ``hf_static``: the prompts in submission order, in batches of 16, left-padded, through
   ``model.generate`` (``DynamicCache``, SDPA attention); a batch ends when its last row does.
+- ``hf_continuous``: transformers' own continuous batching (``model.generate_batch``,
+  paged KV cache) over all N at once, on the same weights as ``hf_static``; its manager is
+  built and warmed on two short prompts first (``persistent_manager``), so the timed call
+  measures generation, not cache allocation.
 - ``kvtier``: ``LLM.generate`` over all N at once on a second copy of the weights; the
-  engine admits up to 16 sequences, prefills each in chunk-sized pieces without padding and
-  decodes the running sequences of different lengths in one batched forward.
+  engine admits up to 16 sequences and runs one forward per step that packs prefill pieces
+  (whole chunks, no padding) with the next token of every decoding sequence.
 
-Figures: generated tokens / wall seconds for each, their ratio (``speedup_vs_hf_static_N``),
-and how many requests got exactly the same tokens from both.
+Figures: generated tokens / wall seconds for each, the ratios (``speedup_vs_hf_static_N``,
+``speedup_vs_hf_continuous_N``), and how many requests got exactly the same tokens as
+``hf_static``.
 """
 
 from __future__ import annotations
@@ -73,6 +78,34 @@ def hf_static(model: Any, prompts: list[list[int]], pad_id: int) -> tuple[float,
     return time.perf_counter() - start, outputs
 
 
+@torch.no_grad()
+def hf_continuous(model: Any, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    """Seconds for transformers ``generate_batch`` (continuous batching); and the tokens.
+
+    The manager is created and warmed on two short prompts first and kept
+    (``persistent_manager``), so the timed call does not pay for its cache allocation.
+    """
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    model.generate_batch(
+        inputs=[[100, 200, 300], [400, 500]], generation_config=config, persistent_manager=True
+    )
+    start = time.perf_counter()
+    out = model.generate_batch(
+        inputs=prompts, generation_config=config, persistent_manager=True, warmup=False
+    )
+    seconds = time.perf_counter() - start
+    model.destroy_cached_continuous_batching_manager()
+    by_prompt = sorted(out.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1]))
+    errors = [o.error for o in by_prompt if o.error]
+    if errors:
+        raise RuntimeError(f"transformers continuous batching failed: {errors[0]}")
+    return seconds, [list(o.generated_tokens) for o in by_prompt]
+
+
 def kvtier_engine(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[list[int]], Any]:
     """Seconds for ``LLM.generate`` over all prompts; the tokens; the engine's stats."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -116,8 +149,14 @@ def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict
             kvtier_engine(llm, make_prompts(2, 8, 40, vocab, seed - 1))  # warm the code paths
             kv_s, kv_tokens, stats = kvtier_engine(llm, prompts)
         hf_s, hf_tokens = hf_static(model, prompts, pad_id)
+        try:
+            cb_s, cb_tokens = hf_continuous(model, prompts)
+            cb_error = None
+        except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+            cb_s, cb_tokens, cb_error = float("nan"), [], f"{type(exc).__name__}: {exc}"
         generated = n * NEW_TOKENS
         same = sum(a == b for a, b in zip(kv_tokens, hf_tokens, strict=True))
+        same_cb = sum(a == b for a, b in zip(cb_tokens, hf_tokens, strict=False))
         case = {
             "requests": n,
             "prompt_tokens": sum(len(p) for p in prompts),
@@ -127,13 +166,19 @@ def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict
             "hf_static_s": round(hf_s, 3),
             "kvtier_tokens_per_s": round(generated / kv_s, 2),
             "hf_static_tokens_per_s": round(generated / hf_s, 2),
+            "hf_continuous_s": round(cb_s, 3),
+            "hf_continuous_tokens_per_s": round(generated / cb_s, 2),
+            "hf_continuous_error": cb_error,
             "same_tokens_requests": same,
+            "hf_continuous_same_tokens_requests": same_cb,
             "mean_decode_batch": round(stats.mean_decode_batch, 2),
             "max_decode_batch": stats.max_decode_batch,
             "decode_steps": stats.decode_steps,
         }
         cases[str(n)] = case
         summary[f"speedup_vs_hf_static_{n}"] = round(hf_s / kv_s, 3)
+        if cb_error is None:
+            summary[f"speedup_vs_hf_continuous_{n}"] = round(cb_s / kv_s, 3)
         summary[f"kvtier_tokens_per_s_{n}"] = case["kvtier_tokens_per_s"]
         summary[f"hf_static_tokens_per_s_{n}"] = case["hf_static_tokens_per_s"]
     return {
@@ -165,17 +210,22 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.quick, args.seed, tuple(args.requests) if args.requests else None)
     result["machine"] = info
     print(
-        f"{'requests':>9}{'prompt tok':>11}{'padded':>9}{'kvtier tok/s':>14}{'hf static tok/s':>17}"
-        f"{'speedup':>9}{'same':>6}{'batch':>7}"
+        f"{'requests':>9}{'prompt tok':>11}{'padded':>9}{'kvtier tok/s':>14}{'hf static':>11}"
+        f"{'hf cont.':>10}{'vs static':>11}{'vs cont.':>10}{'same':>6}{'batch':>7}"
     )
     for case in result["cases"].values():
         n = case["requests"]
+        summary = result["summary"]
         print(
             f"{n:>9}{case['prompt_tokens']:>11}{case['padded_prompt_tokens']:>9}"
-            f"{case['kvtier_tokens_per_s']:>14.1f}{case['hf_static_tokens_per_s']:>17.1f}"
-            f"{result['summary'][f'speedup_vs_hf_static_{n}']:>9.2f}"
+            f"{case['kvtier_tokens_per_s']:>14.1f}{case['hf_static_tokens_per_s']:>11.1f}"
+            f"{case['hf_continuous_tokens_per_s']:>10.1f}"
+            f"{summary[f'speedup_vs_hf_static_{n}']:>11.2f}"
+            f"{summary.get(f'speedup_vs_hf_continuous_{n}', float('nan')):>10.2f}"
             f"{case['same_tokens_requests']:>6}{case['mean_decode_batch']:>7.1f}"
         )
+        if case["hf_continuous_error"]:
+            print(f"  transformers continuous batching did not run: {case['hf_continuous_error']}")
     write_json(args.json, result)
     s = result["summary"]
     print("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(s.items()) if "speedup" in k))

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvtier.attention import SegmentResult, attend_own_keys, attend_segment, merge
+from kvtier.attention import SegmentResult, attend_flat, attend_own_keys, attend_segment, merge
 from kvtier.hf.cache import LayerView, PackedView, TieredCache, capture_ids
 
 ATTENTION_NAME = "kvtier"
@@ -135,9 +135,13 @@ def _attend_decodes(
 ) -> None:
     """One query per row over its resident chunks and its tail; writes ``out[0, start]``.
 
-    Rows with resident chunks get two partial results, merged for all rows at once.
+    No mask applies (the one query is the newest token), so each segment is one fused call
+    on the query heads folded per KV head (``[1, Hkv, G, D]``); rows with resident chunks
+    get two partial results, merged for all rows at once.
     """
-    hq, dim = query.shape[1], query.shape[3]
+    _, hq, _, dim = query.shape
+    hkv = decodes[0][1].recent_key.shape[1]
+    folded = query[0].to(torch.float32).reshape(hkv, hq // hkv, -1, dim)  # [Hkv, G, N, D]
     merged: list[tuple[list[int], SegmentResult]] = []
     both: list[int] = []
     tail_only: list[int] = []
@@ -147,18 +151,25 @@ def _attend_decodes(
     for start, row in decodes:
         cache = row.cache
         plan = cache.plan
-        q = query[:, :, start : start + 1]  # [1, Hq, 1, D]
-        tail = attend_segment(q, row.recent_key, row.recent_value, scale)
+        q = folded[None, :, :, start]  # [1, Hkv, G, D]
+        tail = SegmentResult(
+            *attend_flat(
+                q, row.recent_key.to(torch.float32), row.recent_value.to(torch.float32), None, scale
+            )
+        )
         if not plan.resident:
             tail_only.append(start)
             tails_alone.append(tail)
             continue
         assert cache.device_tier is not None
         keys, values = cache.device_tier.layer_kv(row.layer_idx)  # [H, S, T, D]
-        heads = keys.shape[0]
-        keys = keys[:, plan.resident_slots].reshape(heads, -1, dim).unsqueeze(0)
-        values = values[:, plan.resident_slots].reshape(heads, -1, dim).unsqueeze(0)
-        resident.append(attend_segment(q, keys, values, scale))
+        keys = keys[:, plan.resident_slots].reshape(1, hkv, -1, dim)
+        values = values[:, plan.resident_slots].reshape(1, hkv, -1, dim)
+        resident.append(
+            SegmentResult(
+                *attend_flat(q, keys.to(torch.float32), values.to(torch.float32), None, scale)
+            )
+        )
         tails.append(tail)
         both.append(start)
     if both:
