@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-BENCHMARKS = ("tiers", "decode", "reuse", "throughput")
+BENCHMARKS = ("tiers", "decode", "reuse", "throughput", "serve", "multiturn")

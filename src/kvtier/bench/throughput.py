@@ -145,7 +145,9 @@ def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict
     for n in counts:
         prompts = make_prompts(n, lo, hi, vocab, seed + n)
         config = engine_config(token_nbytes, hi, n)
+        started = time.perf_counter()
         with LLM(ours.model, tokenizer=ours.tokenizer, config=config) as llm:
+            start_s = time.perf_counter() - started
             kvtier_engine(llm, make_prompts(2, 8, 40, vocab, seed - 1))  # warm the code paths
             kv_s, kv_tokens, stats = kvtier_engine(llm, prompts)
         hf_s, hf_tokens = hf_static(model, prompts, pad_id)
@@ -171,6 +173,7 @@ def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict
             "hf_continuous_error": cb_error,
             "same_tokens_requests": same,
             "hf_continuous_same_tokens_requests": same_cb,
+            "kvtier_engine_start_s": round(start_s, 3),
             "mean_decode_batch": round(stats.mean_decode_batch, 2),
             "max_decode_batch": stats.max_decode_batch,
             "decode_steps": stats.decode_steps,
