@@ -12,8 +12,8 @@ end-of-sequence ignored, so every request generates exactly 32 tokens.
   ``model.generate`` (``DynamicCache``, SDPA attention); a batch ends when its last row does.
 - ``hf_continuous``: transformers' own continuous batching (``model.generate_batch``,
   paged KV cache) over all N at once, on the same weights as ``hf_static``; its manager is
-  built and warmed on two short prompts first (``persistent_manager``), so the timed call
-  measures generation, not cache allocation.
+  built and warmed first on N prompts of the same lengths but other ids
+  (``persistent_manager``), so the timed call measures generation, not cache allocation.
 - ``kvtier``: ``LLM.generate`` over all N at once on a second copy of the weights; the
   engine admits up to 16 sequences and runs one forward per step that packs prefill pieces
   (whole chunks, no padding) with the next token of every decoding sequence.
@@ -82,17 +82,18 @@ def hf_static(model: Any, prompts: list[list[int]], pad_id: int) -> tuple[float,
 def hf_continuous(model: Any, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
     """Seconds for transformers ``generate_batch`` (continuous batching); and the tokens.
 
-    The manager is created and warmed on two short prompts first and kept
-    (``persistent_manager``), so the timed call does not pay for its cache allocation.
+    The manager is created and warmed first on prompts of the same lengths but other ids
+    (it sizes its paged cache for the workload it first sees, and shares blocks of equal
+    prefixes) and kept (``persistent_manager``), so the timed call pays neither for the
+    cache allocation nor gets the prompts' KV for free.
     """
     from transformers import GenerationConfig
 
     config = GenerationConfig(
         max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0
     )
-    model.generate_batch(
-        inputs=[[100, 200, 300], [400, 500]], generation_config=config, persistent_manager=True
-    )
+    others = [[100 + (7 * t + 13) % 30000 for t in p] for p in prompts]
+    model.generate_batch(inputs=others, generation_config=config, persistent_manager=True)
     start = time.perf_counter()
     out = model.generate_batch(
         inputs=prompts, generation_config=config, persistent_manager=True, warmup=False
