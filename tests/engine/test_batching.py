@@ -136,3 +136,19 @@ def test_config_rejects_bad_batching_fields() -> None:
         ).max_running
         == 3
     )
+
+
+def test_a_failing_sequence_fails_alone_and_the_batch_goes_on(model: Any, tokenizer: Any) -> None:
+    # Two host chunks cannot hold a 25-chunk context the device cannot hold either: that
+    # sequence's step raises, packed with the others' tokens.
+    with Engine(model, tokenizer, engine_config(host_chunks=2)) as engine:
+        good = [engine.submit(p, GREEDY) for p in prompts()[:3]]
+        bad = engine.submit(list(range(100, 500)), SamplingParams(temperature=0, max_tokens=4))
+        with pytest.raises(RuntimeError, match="host capacity"):
+            bad.result()
+        outs = [h.result() for h in good]
+        stats = engine.stats()
+    for out, prompt in zip(outs, prompts()[:3], strict=True):
+        assert out.token_ids == reference_tokens(model, prompt, 20)
+    assert stats.isolated_failures >= 1
+    assert (stats.requests_failed, stats.requests_finished) == (1, 3)

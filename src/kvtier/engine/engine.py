@@ -114,6 +114,7 @@ class Engine:
                 "decode_rows",
                 "preemptions",
                 "prefetched_chunks",
+                "isolated_failures",
             ),
             0,
         )
@@ -235,6 +236,7 @@ class Engine:
             max_decode_batch=max_batch,
             preemptions=counts["preemptions"],
             prefetched_chunks=counts["prefetched_chunks"],
+            isolated_failures=counts["isolated_failures"],
         )
 
     @property

@@ -58,6 +58,7 @@ class _Sequence:
     admissions: int = 0
     prefetched: bool = False
     decoding: bool = False
+    suspect: bool = False  # was in a step that failed: runs alone until a step succeeds
     pieces: deque[tuple[int, int]] = field(default_factory=deque)  # prefill [start, stop)
 
 
@@ -157,6 +158,8 @@ class BatchScheduler:
                 self._take(seq)
                 self._finish_cancelled(seq)
                 continue
+            if any(s.suspect for s in self.running) or (seq.suspect and self.running):
+                break  # a sequence under suspicion runs alone
             if len(self.running) >= self.max_running and not self._preempt_for(seq):
                 break
             self._take(seq)
@@ -179,8 +182,8 @@ class BatchScheduler:
             head = engine._queue[0] if engine._queue else None
         fresh = self._sequence_of(head) if head is not None else None
         resumed = self.preempted[0] if self.preempted else None
-        if fresh is None or resumed is None:
-            return fresh or resumed
+        if fresh is None or resumed is None or resumed.suspect:
+            return resumed or fresh
         return resumed if resumed.waiting_since_s <= fresh.waiting_since_s else fresh
 
     def _take(self, seq: _Sequence) -> None:
@@ -298,18 +301,34 @@ class BatchScheduler:
                 logits_to_keep=torch.tensor(logit_rows or [len(ids) - 1], device=device),
             )
         except Exception as exc:
-            # Which sequence failed is unknown: every one of the step fails, the engine goes on.
-            for seq, _, _ in work:
-                self.running.remove(seq)
-                if seq.cache is not None:
-                    self._discard(seq.cache)
-                    seq.cache = None
-                self._fail(seq, exc)
+            self._step_failed([seq for seq, _, _ in work], exc)
             return
+        for seq, _, _ in work:
+            seq.suspect = False
         logits = out.logits[0]  # [len(logit_rows), V]
         for i, seq in enumerate(sampled):
             seq.decoding = True
             self._postprocess(seq, logits[i])
+
+    def _step_failed(self, seqs: list[_Sequence], exc: Exception) -> None:
+        """A forward raised. Alone, its sequence fails. Packed with others, which one
+        failed is unknown: each goes back to wait (first in line) and retries alone, so
+        only a sequence that fails on its own fails; the others resume from the KV their
+        sealed chunks left in the tiers, like a preempted sequence."""
+        for seq in seqs:
+            self.running.remove(seq)
+            if seq.cache is not None:
+                self._discard(seq.cache)  # its state is unknown after the error
+                seq.cache = None
+        if len(seqs) == 1:
+            self._fail(seqs[0], exc)
+            return
+        for seq in reversed(seqs):
+            seq.suspect, seq.decoding, seq.prefetched = True, False, False
+            seq.pieces.clear()
+            self.preempted.appendleft(seq)
+        self.engine._count("isolated_failures")
+        self._sync_counts()
 
     # ---- postprocess -----------------------------------------------------------------------
 

@@ -119,6 +119,8 @@ class EngineStats:
         preemptions: running sequences preempted to make room (resumed later).
         prefetched_chunks: chunks of queued requests whose disk→host move started while
             they waited.
+        isolated_failures: forwards of several sequences that raised; each of their
+            sequences retried alone, so only one that fails on its own fails.
     """
 
     requests_submitted: int
@@ -141,6 +143,7 @@ class EngineStats:
     max_decode_batch: int = 0
     preemptions: int = 0
     prefetched_chunks: int = 0
+    isolated_failures: int = 0
 
     @property
     def mean_decode_batch(self) -> float:
