@@ -330,6 +330,8 @@ def test_serve_command_reports_a_busy_port_in_one_line(
     assert err.count("\n") == 0 and f"cannot listen on 127.0.0.1:{port}" in err
     assert cli.main(["serve", "--max-queued", "0"]) == 2
     assert "--max-queued: must be >= 1" in capsys.readouterr().err
+    assert cli.main(["serve", "--prefill-tokens-per-step", "0"]) == 2
+    assert "--prefill-tokens-per-step: must be >= 1" in capsys.readouterr().err
 
 
 def test_a_failed_generation_is_reported_and_the_server_serves_on(

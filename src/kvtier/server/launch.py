@@ -40,6 +40,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=8,
         help="sequences run together (continuous batching; 1 = one at a time)",
     )
+    parser.add_argument(
+        "--prefill-tokens-per-step",
+        type=int,
+        default=None,
+        help="prompt tokens per step's forward (default: one chunk; more: throughput over "
+        "inter-token latency)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     parser.add_argument("--host-mb", type=int, default=1024, help="host DRAM tier size")
     parser.add_argument("--disk-dir", default=None, help="keep KV on disk here (survives restarts)")
     parser.add_argument("--disk-mb", type=int, default=32 * 1024, help="disk tier size")
@@ -62,9 +72,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     ):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    for flag in ("prefill_tokens_per_step", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
     return EngineConfig(
         max_queued=args.max_queued,
         max_batch_size=args.max_batch_size,
+        prefill_tokens_per_step=args.prefill_tokens_per_step,
         cache=TieredCacheConfig(device_budget_bytes=args.device_budget_mb * MiB),
         manager=ManagerConfig(
             chunk_tokens=args.chunk_tokens,
@@ -100,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvtier.engine import Engine
     from kvtier.server.app import create_app
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         say(f"loading {args.model or 'the embedded model'}…")
         engine = Engine.from_pretrained(args.model, config)
