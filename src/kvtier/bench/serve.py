@@ -38,28 +38,27 @@ one after another on the same window (``--repeats`` alternates them A B C A B C)
   temporary folder, which receives the chunks the host evicts (write-back).
 
 Summary: reused tokens and p50 TTFT of each configuration ÷ ``device_only``'s.
+
+Modules: the trace and the window are ``kvtier.bench.trace``; the streaming client, the
+replay and ``/metrics`` are ``kvtier.bench.serve_client``; this module is the flow: the three
+server configurations, starting and stopping ``kvtier serve``, one replay per configuration,
+the summary, the printed table and the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import http.client
-import json
-import math
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,326 +66,27 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
-
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[3].parent / "shared/traces/conversation_trace.jsonl"
+from kvtier.bench.serve_client import (
+    MODEL_NAME,
+    Reply,
+    metric_figures,
+    replay,
+    reply_figures,
+    scrape_metrics,
+    stream_completion,
 )
-TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the trace
-# Ids drawn for the blocks: below 30000, so any llama-family vocabulary (>= 32000) holds them,
-# and above the special and byte tokens.
-TOKEN_ID_RANGE = (1000, 30000)
+from kvtier.bench.trace import (
+    DEFAULT_TRACE,
+    TOKEN_ID_RANGE,
+    ReplayRequest,
+    Scaling,
+    build_window,
+    load_trace,
+    sample_window,
+    window_sharing,
+)
+
 CONFIGS = ("device_only", "device_host", "device_host_disk")
-MODEL_NAME = "kvtier-bench"
-
-
-# ---- the trace -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    """One request of the trace (lengths in the trace's tokens, 512 to a hash id)."""
-
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: Path) -> list[TraceRecord]:
-    """Every request of a Mooncake-format JSONL trace, in file (arrival) order.
-
-    Raises:
-        FileNotFoundError: no file at ``path`` (one line naming it and ``--trace``).
-        ValueError: a line that is not a trace record.
-    """
-    if not path.is_file():
-        raise FileNotFoundError(f"trace: {path} not found; pass --trace PATH to the JSONL trace")
-    records: list[TraceRecord] = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                records.append(
-                    TraceRecord(
-                        int(row["timestamp"]),
-                        int(row["input_length"]),
-                        int(row["output_length"]),
-                        tuple(int(h) for h in row["hash_ids"]),
-                    )
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"trace: {path}:{number} is not a trace record ({exc})") from None
-    return records
-
-
-def conversation_ids(trace: list[TraceRecord]) -> list[int]:
-    """For each request, the index of the first request of its conversation.
-
-    Two requests are one conversation when they share more than block 0 (the system prompt
-    all requests share): a request joins the conversation that first used its second block.
-    """
-    owner: dict[int, int] = {}
-    ids: list[int] = []
-    for index, record in enumerate(trace):
-        blocks = record.hash_ids
-        conversation = owner.get(blocks[1], index) if len(blocks) > 1 else index
-        ids.append(conversation)
-        for block in blocks[1:]:
-            owner.setdefault(block, conversation)
-    return ids
-
-
-def keeps_conversation(conversation: int, fraction: float, seed: int) -> bool:
-    """Whether the seeded sample of ``fraction`` of the conversations holds this one."""
-    digest = hashlib.sha256(f"{seed}:{conversation}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2**64
-
-
-def sample_window(trace: list[TraceRecord], requests: int, fraction: float, seed: int) -> list[int]:
-    """Indices of the first ``requests`` requests of the sampled conversations (all of them
-    with ``fraction`` 1: a window of consecutive requests), in arrival order.
-
-    Raises:
-        ValueError: ``requests`` < 1, ``fraction`` outside (0, 1], or too few requests.
-    """
-    if requests < 1:
-        raise ValueError(f"--requests: must be >= 1, got {requests}")
-    if not 0 < fraction <= 1:
-        raise ValueError(f"--user-fraction: must be in (0, 1], got {fraction}")
-    conversations = conversation_ids(trace)
-    kept = [i for i, c in enumerate(conversations) if keeps_conversation(c, fraction, seed)]
-    chosen = kept[:requests]
-    if len(chosen) < requests:
-        raise ValueError(
-            f"--requests: the sample holds only {len(chosen)} requests; raise --user-fraction "
-            "or lower --requests"
-        )
-    return chosen
-
-
-@dataclass(frozen=True)
-class Scaling:
-    """How trace requests become requests for a small model.
-
-    Attributes:
-        block_tokens: token ids per trace block (the trace's are 512 tokens).
-        max_prompt_tokens: prompts are cut to this many tokens.
-        max_output_tokens: outputs are cut to this many tokens.
-        time_factor: trace seconds per replay second (arrivals come this much faster).
-    """
-
-    block_tokens: int
-    max_prompt_tokens: int
-    max_output_tokens: int
-    time_factor: float
-
-    def __post_init__(self) -> None:
-        for name in ("block_tokens", "max_prompt_tokens", "max_output_tokens"):
-            if getattr(self, name) < 1:
-                flag = name.replace("_", "-")
-                raise ValueError(f"--{flag}: must be >= 1, got {getattr(self, name)}")
-        if not self.time_factor > 0:
-            raise ValueError(f"--time-factor: must be > 0, got {self.time_factor}")
-
-
-@dataclass(frozen=True)
-class ReplayRequest:
-    """One request of the replay.
-
-    Attributes:
-        index: its line in the trace (0-based).
-        conversation: the index of its conversation's first request.
-        arrival_s: when to send it, seconds after the window's first request.
-        prompt_ids: the prompt's token ids.
-        max_tokens: tokens to generate.
-    """
-
-    index: int
-    conversation: int
-    arrival_s: float
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-
-
-def block_ids(hash_id: int, block_tokens: int) -> np.ndarray:
-    """The fixed token ids of one trace block: a generator seeded with the id."""
-    low, high = TOKEN_ID_RANGE
-    return np.random.default_rng(hash_id).integers(low, high, size=block_tokens)
-
-
-def prompt_ids(record: TraceRecord, scaling: Scaling) -> tuple[int, ...]:
-    """A trace request's prompt: its blocks' ids, ``input_length`` scaled and capped."""
-    size = scaling.block_tokens
-    tokens = math.ceil(record.input_length * size / TRACE_BLOCK_TOKENS)
-    tokens = max(1, min(tokens, scaling.max_prompt_tokens, len(record.hash_ids) * size))
-    blocks = [block_ids(h, size) for h in record.hash_ids[: math.ceil(tokens / size)]]
-    return tuple(int(t) for t in np.concatenate(blocks)[:tokens])
-
-
-def build_window(
-    trace: list[TraceRecord], indices: list[int], scaling: Scaling
-) -> list[ReplayRequest]:
-    """The replay of ``trace[indices]``: scaled prompts and outputs, compressed arrivals."""
-    conversations = conversation_ids(trace)
-    start_ms = trace[indices[0]].timestamp_ms
-    return [
-        ReplayRequest(
-            index=i,
-            conversation=conversations[i],
-            arrival_s=(trace[i].timestamp_ms - start_ms) / 1000 / scaling.time_factor,
-            prompt_ids=prompt_ids(trace[i], scaling),
-            max_tokens=max(1, min(trace[i].output_length, scaling.max_output_tokens)),
-        )
-        for i in indices
-    ]
-
-
-def window_sharing(window: list[ReplayRequest], chunk_tokens: int) -> dict[str, Any]:
-    """How much prefix the window shares: prompt tokens an unbounded cache of every earlier
-    prompt's whole chunks would serve (the most any configuration can reuse), and how many
-    of those are the first chunk alone (the system prompt).
-    """
-    seen: set[bytes] = set()
-    shared_chunks = beyond_first_chunks = 0
-    for request in window:
-        ids = request.prompt_ids
-        keys: list[bytes] = []
-        parent = b""
-        for start in range(0, len(ids) - len(ids) % chunk_tokens, chunk_tokens):
-            chunk = np.asarray(ids[start : start + chunk_tokens], dtype=np.int64).tobytes()
-            parent = hashlib.sha256(parent + chunk).digest()
-            keys.append(parent)
-        usable = (len(ids) - 1) // chunk_tokens  # reuse leaves the last token to compute
-        hits = 0
-        while hits < usable and keys[hits] in seen:
-            hits += 1
-        shared_chunks += hits
-        beyond_first_chunks += max(0, hits - 1)
-        seen.update(keys)
-    prompt_tokens = sum(len(r.prompt_ids) for r in window)
-    return {
-        "requests": len(window),
-        "conversations": len({r.conversation for r in window}),
-        "prompt_tokens": prompt_tokens,
-        "shareable_tokens": shared_chunks * chunk_tokens,
-        "shareable_fraction": shared_chunks * chunk_tokens / prompt_tokens,
-        "shareable_tokens_beyond_first_chunk": beyond_first_chunks * chunk_tokens,
-        "arrival_span_s": window[-1].arrival_s - window[0].arrival_s,
-    }
-
-
-# ---- the client ------------------------------------------------------------------------------
-
-
-@dataclass
-class Reply:
-    """What the client saw of one streamed request.
-
-    Attributes:
-        index: the request's line in the trace.
-        sent_s: when it was sent, seconds after the replay started.
-        ttft_s: send → first streamed token (None: no token came).
-        gaps_s: seconds between consecutive streamed chunks (one token each, except that the
-            server sends no chunk for a token whose text is still empty).
-        text: the streamed text.
-        prompt_tokens: the prompt's length.
-        completion_tokens: tokens generated (the usage chunk's count).
-        cached_tokens: prompt tokens the server reused (the usage chunk's count).
-        done_s: when the stream ended, seconds after the replay started.
-        error: why it failed (None: it did not).
-    """
-
-    index: int
-    sent_s: float
-    prompt_tokens: int
-    ttft_s: float | None = None
-    gaps_s: list[float] = field(default_factory=list)
-    text: str = ""
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    done_s: float = 0.0
-    error: str | None = None
-
-
-def stream_completion(port: int, request: ReplayRequest, start: float, timeout_s: float) -> Reply:
-    """Send one streaming completion of token ids; time every chunk. Never raises: a
-    failure (refused, HTTP error, error event) is recorded in ``Reply.error``."""
-    body = {
-        "model": MODEL_NAME,
-        "prompt": list(request.prompt_ids),
-        "max_tokens": request.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    sent = time.perf_counter()
-    reply = Reply(request.index, sent - start, len(request.prompt_ids))
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        response = conn.getresponse()
-        if response.status != 200:
-            reply.error = f"HTTP {response.status}: {response.read()[:200]!r}"
-            return reply
-        last = sent
-        parts: list[str] = []
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
-            if "error" in event:
-                reply.error = str(event["error"].get("message"))
-                break
-            now = time.perf_counter()
-            if event.get("choices"):
-                if reply.ttft_s is None:
-                    reply.ttft_s = now - sent
-                else:
-                    reply.gaps_s.append(now - last)
-                last = now
-                parts.append(event["choices"][0].get("text", ""))
-            if event.get("usage"):
-                usage = event["usage"]
-                reply.completion_tokens = int(usage["completion_tokens"])
-                details = usage.get("prompt_tokens_details") or {}
-                reply.cached_tokens = int(details.get("cached_tokens") or 0)
-        reply.text = "".join(parts)
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        reply.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-        reply.done_s = time.perf_counter() - start
-    return reply
-
-
-def replay(port: int, window: list[ReplayRequest], timeout_s: float) -> list[Reply]:
-    """Send every request at its arrival time on its own thread; wait for all replies."""
-    replies: list[Reply | None] = [None] * len(window)
-
-    def send(slot: int, request: ReplayRequest) -> None:
-        replies[slot] = stream_completion(port, request, start, timeout_s)
-
-    threads: list[threading.Thread] = []
-    start = time.perf_counter()
-    for slot, request in enumerate(window):
-        delay_s = start + request.arrival_s - time.perf_counter()
-        if delay_s > 0:
-            time.sleep(delay_s)
-        thread = threading.Thread(target=send, args=(slot, request), daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
-    return [r for r in replies if r is not None]
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -457,30 +157,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'\w+="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> dict[tuple[str, str], float]:
-    """Prometheus text → ``{(name, label values joined by ","): value}``; a counter's
-    ``_total`` suffix is dropped, so ``kvtier_reused_tokens_total{tier="host"} 5`` reads
-    as ``("kvtier_reused_tokens", "host"): 5.0``."""
-    samples: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match is None or line.startswith("#"):
-            continue
-        name, labels, value = match.groups()
-        name = name.removesuffix("_total")
-        samples[(name, ",".join(_LABEL.findall(labels or "")))] = float(value)
-    return samples
-
-
-def by_label(samples: dict[tuple[str, str], float], name: str) -> dict[str, float]:
-    """Every sample of metric ``name``, by label value."""
-    return {label: value for (n, label), value in samples.items() if n == name}
-
-
 class Server:
     """A ``kvtier serve`` process of one configuration, on a free port, logging to a file.
 
@@ -526,8 +202,7 @@ class Server:
             time.sleep(0.25)
 
     def metrics(self) -> dict[tuple[str, str], float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
-            return parse_metrics(r.read().decode())
+        return scrape_metrics(self.port)
 
     def stop(self) -> int:
         """SIGTERM, then wait for the drain (and the host tier's flush to disk)."""
@@ -555,68 +230,6 @@ class Server:
 
 
 # ---- one configuration -----------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100), interpolated linearly between order statistics (as
-    numpy's default); None when there are no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def reply_figures(replies: list[Reply]) -> dict[str, Any]:
-    """Latency percentiles and output rate of one replay, from what the client saw.
-
-    Output tokens/s is every generated token ÷ (last reply's end − first send).
-    """
-    ok = [r for r in replies if r.error is None and r.ttft_s is not None]
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    gaps = [g for r in ok for g in r.gaps_s]
-    output_tokens = sum(r.completion_tokens for r in ok)
-    wall_s = max(r.done_s for r in replies) - min(r.sent_s for r in replies) if replies else 0.0
-    return {
-        "requests": len(replies),
-        "ok": len(ok),
-        "errors": [f"#{r.index}: {r.error}" for r in replies if r.error is not None][:5],
-        "ttft_s": {f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
-        "itl_s": {f"p{q}": percentile(gaps, q) for q in (50, 90, 99)},
-        "output_tokens": output_tokens,
-        "wall_s": wall_s,
-        "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else None,
-        "cached_tokens_in_usage": sum(r.cached_tokens for r in ok),
-    }
-
-
-def metric_figures(
-    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
-) -> dict[str, Any]:
-    """What the server's counters say happened between two scrapes (after − before): prompt
-    and reused tokens (by the tier that held each reused chunk), and each tier's traffic."""
-
-    def delta(name: str) -> dict[str, float]:
-        old = by_label(before, name)
-        return {k: v - old.get(k, 0.0) for k, v in sorted(by_label(after, name).items())}
-
-    reused = {tier: int(v) for tier, v in delta("kvtier_reused_tokens").items() if v}
-    prompt_tokens = int(delta("kvtier_prompt_tokens").get("", 0))
-    tiers: dict[str, dict[str, float]] = {}
-    for counter in ("hits", "bytes_in", "bytes_out", "evictions"):
-        for tier, value in delta(f"kvtier_tier_{counter}").items():
-            tiers.setdefault(tier, {})[counter] = value
-    for tier, value in by_label(after, "kvtier_tier_used_bytes").items():
-        tiers.setdefault(tier, {})["used_bytes_after"] = value
-    return {
-        "prompt_tokens": prompt_tokens,
-        "reused_tokens": sum(reused.values()),
-        "reused_tokens_by_tier": reused,
-        "reused_fraction": sum(reused.values()) / prompt_tokens if prompt_tokens else 0.0,
-        "tiers": tiers,
-    }
 
 
 def run_config(
