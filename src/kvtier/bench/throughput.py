@@ -18,7 +18,9 @@ end-of-sequence ignored, so every request generates exactly 32 tokens.
   engine admits up to 16 sequences and runs one forward per step that packs prefill pieces
   (whole chunks, no padding) with the next token of every decoding sequence.
 
-Figures: generated tokens / wall seconds for each, the ratios (``speedup_vs_hf_static_N``,
+Each system runs ``--repeats`` times (default 2), interleaved, kvtier on a fresh engine
+each time; the figures are medians (every run is in the JSON). Figures: generated tokens /
+wall seconds for each, the ratios (``speedup_vs_hf_static_N``,
 ``speedup_vs_hf_continuous_N``), and how many requests got exactly the same tokens as
 ``hf_static``.
 """
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvtier.bench.common import base_parser, machine_info, print_machine, write_json
+from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
 from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
 from kvtier.engine import LLM, EngineConfig, SamplingParams
 from kvtier.models import load_model
@@ -129,7 +131,9 @@ def engine_config(layout_token_nbytes: int, longest: int, count: int) -> EngineC
     )
 
 
-def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict[str, Any]:
+def run(
+    quick: bool, seed: int, requests: tuple[int, ...] | None = None, repeats: int = 1
+) -> dict[str, Any]:
     counts = requests or ((8,) if quick else (16, 64))
     lo, hi = (64, 512) if quick else (64, 1024)
     baseline = load_model()
@@ -146,17 +150,29 @@ def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict
     for n in counts:
         prompts = make_prompts(n, lo, hi, vocab, seed + n)
         config = engine_config(token_nbytes, hi, n)
-        started = time.perf_counter()
-        with LLM(ours.model, tokenizer=ours.tokenizer, config=config) as llm:
-            start_s = time.perf_counter() - started
-            kvtier_engine(llm, make_prompts(2, 8, 40, vocab, seed - 1))  # warm the code paths
-            kv_s, kv_tokens, stats = kvtier_engine(llm, prompts)
-        hf_s, hf_tokens = hf_static(model, prompts, pad_id)
-        try:
-            cb_s, cb_tokens = hf_continuous(model, prompts)
-            cb_error = None
-        except Exception as exc:  # a baseline that cannot run here is reported, not fatal
-            cb_s, cb_tokens, cb_error = float("nan"), [], f"{type(exc).__name__}: {exc}"
+        kv_runs: list[float] = []
+        hf_runs: list[float] = []
+        cb_runs: list[float] = []
+        cb_error: str | None = None
+        cb_tokens: list[list[int]] = []
+        for _ in range(repeats):  # interleaved: machine noise hits every system alike
+            started = time.perf_counter()
+            # A fresh engine each time: its tiers must not hold the prompts' KV already.
+            with LLM(ours.model, tokenizer=ours.tokenizer, config=config) as llm:
+                start_s = time.perf_counter() - started
+                kvtier_engine(llm, make_prompts(2, 8, 40, vocab, seed - 1))  # warm the paths
+                kv_s, kv_tokens, stats = kvtier_engine(llm, prompts)
+            kv_runs.append(kv_s)
+            hf_s, hf_tokens = hf_static(model, prompts, pad_id)
+            hf_runs.append(hf_s)
+            if cb_error is None:
+                try:
+                    cb_s, cb_tokens = hf_continuous(model, prompts)
+                    cb_runs.append(cb_s)
+                except Exception as exc:  # a baseline that cannot run here is reported
+                    cb_error = f"{type(exc).__name__}: {exc}"
+        kv_s, hf_s = median(kv_runs), median(hf_runs)
+        cb_s = median(cb_runs)
         generated = n * NEW_TOKENS
         same = sum(a == b for a, b in zip(kv_tokens, hf_tokens, strict=True))
         same_cb = sum(a == b for a, b in zip(cb_tokens, hf_tokens, strict=False))
@@ -167,6 +183,9 @@ def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict
             "generated_tokens": generated,
             "kvtier_s": round(kv_s, 3),
             "hf_static_s": round(hf_s, 3),
+            "kvtier_s_runs": [round(x, 3) for x in kv_runs],
+            "hf_static_s_runs": [round(x, 3) for x in hf_runs],
+            "hf_continuous_s_runs": [round(x, 3) for x in cb_runs],
             "kvtier_tokens_per_s": round(generated / kv_s, 2),
             "hf_static_tokens_per_s": round(generated / hf_s, 2),
             "hf_continuous_s": round(cb_s, 3),
@@ -191,6 +210,7 @@ def run(quick: bool, seed: int, requests: tuple[int, ...] | None = None) -> dict
         "config": {
             "quick": quick,
             "seed": seed,
+            "repeats": repeats,
             "prompt_tokens_range": [lo, hi],
             "new_tokens": NEW_TOKENS,
             "static_batch": STATIC_BATCH,
@@ -208,10 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)"
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved runs of each system, medians reported (default 2; quick 1)",
+    )
     args = parser.parse_args(argv)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
+    if repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
     info = machine_info()
     print_machine(info)
-    result = run(args.quick, args.seed, tuple(args.requests) if args.requests else None)
+    result = run(args.quick, args.seed, tuple(args.requests) if args.requests else None, repeats)
     result["machine"] = info
     print(
         f"{'requests':>9}{'prompt tok':>11}{'padded':>9}{'kvtier tok/s':>14}{'hf static':>11}"
