@@ -83,6 +83,7 @@ class BatchScheduler:
         # at start and no request pays the first touch of its buffers.
         self.caches: list[TieredCache] = [self._fresh_cache() for _ in range(self.max_running)]
         self.idle: list[TieredCache] = list(self.caches)  # caches no sequence holds
+        self._warm_up()
         self._admissions = itertools.count()
         self._known: dict[RequestHandle, _Sequence] = {}  # queued requests seen so far
 
@@ -358,6 +359,20 @@ class BatchScheduler:
         if cache.device_tier is not None:
             cache.device_tier.clear()
         self.idle.append(cache)
+
+    def _warm_up(self) -> None:
+        """One throw-away forward as large as the largest step (the prefill budget plus a
+        token per running sequence), with no cache, before any request.
+
+        Like a GPU server's profiling run at start: the allocator then holds buffers of the
+        step's activation sizes, so the first requests do not pay the first touch of fresh
+        memory (about 2 s of a 4K-token step's 6.8 s on this machine).
+        """
+        budget = self.config.prefill_tokens_per_step or self.chunk_tokens
+        tokens = max(budget, self._piece_chunks * self.chunk_tokens)
+        ids = torch.zeros(1, tokens + self.max_running, dtype=torch.long, device=self.engine.device)
+        with torch.no_grad():
+            self.engine.model(ids, use_cache=False, logits_to_keep=1)
 
     def _fresh_cache(self) -> TieredCache:
         cache = self.engine._new_cache()
