@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvtier.engine import LLM, Engine, EngineConfig, SamplingParams
-from tests.engine.tiny import CHUNK, engine_config, reference_tokens
+from tests.engine.tiny import CHUNK, FAULT_TOKEN, engine_config, inject_fault, reference_tokens
 
 LENGTHS = (3, 17, 40, 70, 33, 5)
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -138,16 +138,20 @@ def test_config_rejects_bad_batching_fields() -> None:
     )
 
 
-def test_a_failing_sequence_fails_alone_and_the_batch_goes_on(model: Any, tokenizer: Any) -> None:
-    # Two host chunks cannot hold a 25-chunk context the device cannot hold either: that
-    # sequence's step raises, packed with the others' tokens.
-    with Engine(model, tokenizer, engine_config(host_chunks=2)) as engine:
+def test_a_failing_sequence_fails_alone_and_the_batch_goes_on(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every forward that carries a piece of the faulty prompt raises, packed with the
+    # other sequences' tokens.
+    inject_fault(monkeypatch, model)
+    with Engine(model, tokenizer, engine_config()) as engine:
         good = [engine.submit(p, GREEDY) for p in prompts()[:3]]
-        bad = engine.submit(list(range(100, 500)), SamplingParams(temperature=0, max_tokens=4))
-        with pytest.raises(RuntimeError, match="host capacity"):
+        bad = engine.submit([FAULT_TOKEN] * 40, SamplingParams(temperature=0, max_tokens=4))
+        with pytest.raises(RuntimeError, match="injected fault"):
             bad.result()
         outs = [h.result() for h in good]
         stats = engine.stats()
+    monkeypatch.undo()
     for out, prompt in zip(outs, prompts()[:3], strict=True):
         assert out.token_ids == reference_tokens(model, prompt, 20)
     assert stats.isolated_failures >= 1

@@ -20,7 +20,7 @@ from kvtier.engine import (
     SamplingParams,
     TokenEvent,
 )
-from tests.engine.tiny import CHUNK, engine_config, reference_tokens
+from tests.engine.tiny import CHUNK, FAULT_TOKEN, engine_config, inject_fault, reference_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 STORY = (
@@ -201,12 +201,26 @@ def test_llm_generates_in_order_with_a_small_queue(model: Any, tokenizer: Any) -
         LLM(model)
 
 
-def test_a_failing_request_fails_alone(model: Any, tokenizer: Any) -> None:
-    # A host tier of two chunks cannot hold a 25-chunk context that the device cannot hold
-    # either: the forward raises, the caller gets the error, the engine serves on.
-    with Engine(model, tokenizer, engine_config(host_chunks=2)) as engine:
-        failing = engine.submit(list(range(100, 500)), GREEDY)
-        with pytest.raises(RuntimeError, match="host capacity"):
+def test_a_failing_request_fails_alone(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inject_fault(monkeypatch, model)
+    with Engine(model, tokenizer, engine_config()) as engine:
+        failing = engine.submit([FAULT_TOKEN] * 40, GREEDY)
+        with pytest.raises(RuntimeError, match="injected fault"):
             failing.result()
         assert engine.submit("Hi", GREEDY).result().finish_reason == "length"
         assert engine.stats().requests_failed == 1
+
+
+def test_a_request_the_tiers_cannot_hold_is_refused_up_front(model: Any, tokenizer: Any) -> None:
+    # Two host chunks cannot hold a 25-chunk context that the device cannot hold either.
+    prompt = list(range(100, 500))
+    with Engine(model, tokenizer, engine_config(host_chunks=2)) as engine:
+        with pytest.raises(ContextLengthError, match="host tier, which holds 2 chunks") as info:
+            engine.submit(prompt, GREEDY)
+        assert info.value.param == "prompt" and "enlarge the host tier" in str(info.value)
+    # With room for the chunks the device cannot hold, the same request is served.
+    with Engine(model, tokenizer, engine_config(host_chunks=32)) as engine:
+        out = engine.submit(prompt, GREEDY).result()
+    assert out.token_ids == reference_tokens(model, prompt, len(out.token_ids))

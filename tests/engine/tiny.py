@@ -93,3 +93,20 @@ def tokenizer() -> Any:
 def model(tokenizer: Any) -> Any:
     """A tiny random-weight Llama over that tokenizer's vocabulary."""
     return tiny_model(tokenizer)
+
+
+FAULT_TOKEN = 4242  # a prompt holding this id makes ``inject_fault``'s model raise
+
+
+def inject_fault(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
+    """Fault injection: ``model``'s forward raises ``RuntimeError("injected fault")`` for
+    any input that holds ``FAULT_TOKEN`` (for the rest of the test)."""
+    forward = model.forward
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        ids = args[0] if args else kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and bool((ids == FAULT_TOKEN).any()):
+            raise RuntimeError("injected fault")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", faulty)

@@ -19,7 +19,7 @@ from openai import OpenAI
 from kvtier import cli
 from kvtier.engine import LLM, Engine, SamplingParams
 from kvtier.server import create_app
-from tests.engine.tiny import engine_config, reference_tokens
+from tests.engine.tiny import FAULT_TOKEN, engine_config, inject_fault, reference_tokens
 
 NAME = "tiny-llama"
 KEY = "sk-test"
@@ -335,20 +335,35 @@ def test_serve_command_reports_a_busy_port_in_one_line(
 
 
 def test_a_failed_generation_is_reported_and_the_server_serves_on(
-    model: Any, tokenizer: Any
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    inject_fault(monkeypatch, model)
+    with Engine(model, tokenizer, engine_config()) as engine:
+        server = ServerThread(create_app(engine, NAME))
+        try:
+            body = {"model": NAME, "prompt": [FAULT_TOKEN] * 40, "max_tokens": 4}
+            status, reply = server.request("POST", COMPLETIONS, body)
+            assert status == 500 and reply["error"]["code"] == "generation_failed"
+            assert "injected fault" in reply["error"]["message"]
+            client = server.client(max_retries=0)
+            with pytest.raises(openai.APIError, match="generation failed"):
+                list(client.completions.create(**body, stream=True))
+            reply = client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
+            assert reply.choices[0].finish_reason == "length"
+        finally:
+            server.stop()
+
+
+def test_a_request_the_tiers_cannot_hold_gets_a_400(model: Any, tokenizer: Any) -> None:
     # Two host chunks cannot hold a 25-chunk context the device cannot hold either.
     with Engine(model, tokenizer, engine_config(host_chunks=2)) as engine:
         server = ServerThread(create_app(engine, NAME))
         try:
             body = {"model": NAME, "prompt": list(range(100, 500)), "max_tokens": 4}
             status, reply = server.request("POST", COMPLETIONS, body)
-            assert status == 500 and reply["error"]["code"] == "generation_failed"
-            assert "host capacity" in reply["error"]["message"]
-            client = server.client(max_retries=0)
-            with pytest.raises(openai.APIError, match="generation failed"):
-                list(client.completions.create(**body, stream=True))
-            reply = client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
-            assert reply.choices[0].finish_reason == "length"
+            assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+            assert "enlarge the host tier" in reply["error"]["message"]
+            status, _ = server.request("POST", COMPLETIONS, {**body, "prompt": "Hi"})
+            assert status == 200
         finally:
             server.stop()

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvtier.config import MiB
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.request import (
     ContextLengthError,
@@ -197,12 +198,39 @@ class Engine:
                 "prompt", f"token id {max(ids)} is outside the vocabulary (size {self.vocab_size})"
             )
         total = len(ids) + params.max_tokens
+        self._check_tiers_hold(total, "prompt" if len(ids) >= total // 2 else "max_tokens")
         if total > self.max_model_len:
             raise ContextLengthError(
                 "prompt" if len(ids) >= self.max_model_len else "max_tokens",
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{total} were requested ({len(ids)} in the prompt, {params.max_tokens} for "
                 "the output); shorten the prompt or lower max_tokens",
+            )
+
+    def _check_tiers_hold(self, total_tokens: int, field: str) -> None:
+        """Refuse up front a sequence whose KV the tiers cannot hold even alone.
+
+        When a sequence's sealed chunks outgrow its device tier, the rest stream from the
+        host tier, where every sealed chunk is written and a forward pins the streamed ones
+        all at once (a disk tier only refills the host): then all of its sealed chunks must
+        fit in the host tier together.
+
+        Raises:
+            ContextLengthError: naming the sizes and the fix.
+        """
+        layout = self.manager.layout
+        chunk = layout.chunk_nbytes
+        device_slots = (self.config.cache.device_budget_bytes - chunk) // chunk
+        sealed = total_tokens // layout.chunk_tokens
+        host_slots = self.manager.host.capacity_bytes // chunk
+        if sealed > device_slots and sealed > host_slots:
+            raise ContextLengthError(
+                field,
+                f"{total_tokens} tokens are {sealed} chunks ({sealed * chunk / MiB:.1f} MiB), "
+                f"more than the per-sequence device budget holds ({device_slots} chunks), so "
+                f"they must fit in the host tier, which holds {host_slots} chunks "
+                f"({host_slots * chunk / MiB:.1f} MiB); enlarge the host tier or the device "
+                "budget, or shorten the request",
             )
 
     def stats(self) -> EngineStats:
