@@ -113,9 +113,10 @@ class EngineStats:
         manager: the shared tiers (host, disk) and the host⇄disk link.
         cache: the sequences' caches added up (their device tiers, tails and device⇄host
             links); None once the engine is closed.
-        decode_steps: batched decode forwards run (continuous batching only).
-        decode_rows: sequences decoded over those forwards (their sum of batch sizes).
-        max_decode_batch: the most sequences one decode forward has carried.
+        decode_steps: step forwards that carried at least one decoding sequence's token
+            (alone or packed with prefill pieces).
+        decode_rows: decoding sequences over those forwards (their sum of batch sizes).
+        max_decode_batch: the most decoding sequences one forward has carried.
         preemptions: running sequences preempted to make room (resumed later).
         prefetched_chunks: chunks of queued requests whose disk→host move started while
             they waited.
