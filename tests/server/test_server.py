@@ -135,6 +135,8 @@ def test_completions_streaming_or_not(server: ServerThread, engine: Engine, mode
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+    assert len(chunks) == 12  # one chunk per generated token, the last with the reason
+    assert chunks[-1].choices[0].finish_reason == "length"
     expected = reference_tokens(model, engine.encode(prompt), 12)
     assert reply.choices[0].text == engine.tokenizer.decode(expected, skip_special_tokens=True)
     by_ids = client.completions.create(

@@ -177,8 +177,9 @@ async def _stream(
         async with aclosing(handle.events()) as events:
             async for event in events:
                 generated += event.token_id is not None
-                if event.text or event.finished:
-                    yield _sse(chunk(event.text, event.finish_reason))
+                # One chunk per token, even when its text is still empty (a partial UTF-8
+                # character): clients can count and time every token.
+                yield _sse(chunk(event.text, event.finish_reason))
         if usage_object is not None:
             usage = usage_body(len(handle.request.prompt_ids), generated, handle.reused_tokens)
             yield _sse(usage_chunk(request_id, *usage_object, usage))
