@@ -220,9 +220,13 @@ class Engine:
         """
         layout = self.manager.layout
         chunk = layout.chunk_nbytes
-        device_slots = (self.config.cache.device_budget_bytes - chunk) // chunk
+        caches = self._scheduler.caches
+        if not caches:
+            return  # closed: submit says so next
+        device_tier = caches[0].device_tier  # every cache is reserved alike
+        device_slots = device_tier.num_slots if device_tier is not None else 0
         sealed = total_tokens // layout.chunk_tokens
-        host_slots = self.manager.host.capacity_bytes // chunk
+        host_slots = self.manager.host.num_slots
         if sealed > device_slots and sealed > host_slots:
             raise ContextLengthError(
                 field,
