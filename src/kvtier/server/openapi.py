@@ -10,9 +10,10 @@ response schema empty. ``install_openapi`` replaces that with:
 | ``POST /v1/completions``, ``/v1/chat/completions`` | 200, 400, 401*, 404, 413, 429, 500, 503 |
 | ``GET /v1/models`` | 200, 401*, 500 |
 | ``GET /health`` | 200, 503 (both ``{"status": ...}``), 500 |
-| ``GET /metrics`` | 200 (Prometheus text), 500 |
+| ``GET /metrics`` | 200 (Prometheus text), 401**, 500 |
 
-(*) only with an API key, which the document then declares as a bearer security scheme.
+(*) only with an API key, which the document then declares as a bearer security scheme;
+(**) only when ``/metrics`` needs the key too.
 A generation's 200 is JSON or, with ``stream: true``, ``text/event-stream``; a 429 carries
 ``Retry-After``. Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -159,7 +160,12 @@ QUEUE_FULL = {
 }
 
 
-def _responses(path: str, api_key: bool) -> dict[str, Any]:
+def _guarded(path: str, api_key: bool, metrics_need_key: bool) -> bool:
+    """Whether ``path`` needs the API key (as ``guard.APIKeyMiddleware`` decides)."""
+    return api_key and (path.startswith("/v1") or (metrics_need_key and path == "/metrics"))
+
+
+def _responses(path: str, guarded: bool) -> dict[str, Any]:
     """What each route answers (see the module's table)."""
     responses: dict[str, Any]
     if path in GENERATION_ROUTES:
@@ -190,13 +196,18 @@ def _responses(path: str, api_key: bool) -> dict[str, Any]:
         responses = {"200": text}
     else:  # a route this module does not know yet: keep FastAPI's 200, fix the errors
         responses = {}
-    if api_key and path.startswith("/v1"):
-        responses["401"] = _error("Missing or invalid API key.")
+    if guarded:
+        responses["401"] = {
+            **_error("Missing or invalid API key."),
+            "headers": {"WWW-Authenticate": {"required": True, "schema": {"const": "Bearer"}}},
+        }
     responses["500"] = _error("An internal error (the server keeps serving).")
     return responses
 
 
-def document(schema: dict[str, Any], *, api_key: bool) -> dict[str, Any]:
+def document(
+    schema: dict[str, Any], *, api_key: bool, metrics_need_key: bool = False
+) -> dict[str, Any]:
     """Edit FastAPI's generated ``schema`` in place to match the server, and return it."""
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
@@ -204,8 +215,9 @@ def document(schema: dict[str, Any], *, api_key: bool) -> dict[str, Any]:
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)  # FastAPI's; errors.install answers 400 instead
-            responses.update(_responses(path, api_key))
-            if api_key and path.startswith("/v1"):
+            guarded = _guarded(path, api_key, metrics_need_key)
+            responses.update(_responses(path, guarded))
+            if guarded:
                 operation["security"] = [{SECURITY_SCHEME: []}]
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
@@ -217,13 +229,14 @@ def document(schema: dict[str, Any], *, api_key: bool) -> dict[str, Any]:
     return schema
 
 
-def install_openapi(app: FastAPI, *, api_key: bool = False) -> None:
+def install_openapi(app: FastAPI, *, api_key: bool = False, metrics_need_key: bool = False) -> None:
     """Serve ``document``'s version of the app's OpenAPI document (built once, on first use).
 
     Args:
         app: the app; call this after its routes are added or before (the document is
             built on the first request for it).
         api_key: whether ``/v1`` routes need ``Authorization: Bearer <key>``.
+        metrics_need_key: whether ``/metrics`` needs it too.
     """
 
     def openapi() -> dict[str, Any]:
@@ -238,7 +251,9 @@ def install_openapi(app: FastAPI, *, api_key: bool = False) -> None:
                 servers=app.servers,
                 separate_input_output_schemas=app.separate_input_output_schemas,
             )
-            app.openapi_schema = document(generated, api_key=api_key)
+            app.openapi_schema = document(
+                generated, api_key=api_key, metrics_need_key=metrics_need_key
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
