@@ -103,7 +103,9 @@ def test_host_eviction_writes_back_to_disk_and_fetch_promotes(
         chunks = sequence_chunks(manager, ids)
         manager.store(chunks)
         assert manager.disk is not None
+        manager.wait_writes()  # evicted chunks go down on the link, off the caller's thread
         assert len(manager.host) == 2 and len(manager.disk) == 3
+        assert manager.stats().write_downs_async + manager.stats().write_downs_sync == 3
         result = manager.lookup(ids)
         assert result.hit_tokens == 80
         assert result.tiers == ["disk"] * 3 + ["host"] * 2

@@ -76,17 +76,31 @@ class HostConfig:
 
 @dataclass(frozen=True)
 class DiskConfig:
-    """The local disk tier; ``path=None`` disables it."""
+    """The local disk tier; ``path=None`` disables it.
+
+    Attributes:
+        path: directory of the segment files (created if missing); None: no disk tier.
+        capacity_bytes: bytes of chunk data; at least one chunk (checked when the tier is
+            built, which knows the chunk size).
+        fsync: make every write durable against power loss (``fdatasync``); without it a
+            landed write still survives the process being killed.
+        eviction_policy: registry name of the eviction policy.
+        write_buffers: spare host chunks that carry chunks evicted from host to disk on
+            the host⇄disk link, so eviction does not write to disk on the compute thread;
+            0 writes every evicted chunk synchronously.
+    """
 
     path: str | None = None
     capacity_bytes: int = 32 * GiB
     fsync: bool = True
     eviction_policy: str = "lru"
+    write_buffers: int = 4
 
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():
             raise ValueError("disk.path: must be a directory path or None (no disk tier)")
         _check_int("disk.capacity_bytes", self.capacity_bytes)
+        _check_int("disk.write_buffers", self.write_buffers)
         _check_policy("disk.eviction_policy", self.eviction_policy)
 
 

@@ -7,13 +7,26 @@ within its budget: a tier that evicts a chunk writes it to the next tier down fi
 that tier does not hold it yet (so write-back loses nothing and write-through never writes
 twice).
 
-Thread-safety: every method is thread-safe (the tiers lock themselves). Lookups are a
-snapshot: a chunk found by ``lookup`` can be evicted before it is fetched, and ``fetch_into``
-then reports a miss for it; pin chunks to prevent that.
+Storage faults degrade, never fail a caller: a disk tier that hits an I/O error stops
+taking writes (``TierStats.writes_disabled``) and every write path here (``store``, the
+write-through queue, eviction write-down) carries on without it; a chunk that turns out
+corrupt or gone is recomputed by its user, who reports it with ``count_recompute``.
+
+Write paths between host and disk (DESIGN §3: never on the compute thread under a lock)::
+
+    path           when                        how                      link or queue full
+    write-through  ``store`` of sealed chunks  queued on the link       dropped, counted
+    write-back     host evicts a chunk         spare buffer, then link  written in place
+
+Thread-safety: every method is thread-safe (the tiers lock themselves; the manager's own
+lock is never held while a tier lock is taken). Lookups are a snapshot: a chunk found by
+``lookup`` can be evicted before it is fetched, and ``fetch_into`` then reports a miss for
+it; pin chunks to prevent that.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,12 +36,19 @@ import torch
 
 from kvtier.config import ManagerConfig
 from kvtier.kv.chunk import Chunk, ChunkRef
-from kvtier.kv.keys import KeyHasher, Namespace
+from kvtier.kv.keys import ChunkKey, KeyHasher, Namespace
 from kvtier.kv.layout import KVLayout
-from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.base import Tier, TierFullError, TierStats
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_io import copy_bytes
 from kvtier.tiers.pool import device_tier, host_tier
 from kvtier.transfer import CopyStep, Link, LinkStats, Throttle, TransferHandle
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE_CAUSES = ("corrupt", "missing")
+"""Why a chunk found by a lookup was recomputed: its stored bytes failed their checks, or
+it was gone (evicted, never landed, unreadable) by the time it was needed."""
 
 
 @dataclass(frozen=True)
@@ -56,13 +76,27 @@ class LookupResult:
 
 @dataclass(frozen=True)
 class ManagerStats:
-    """Per-tier and per-link stats plus lookup counters (a consistent snapshot per part)."""
+    """Per-tier and per-link stats plus lookup counters (a consistent snapshot per part).
+
+    Attributes:
+        recomputed_chunks_by_cause: chunks a lookup had found that were recomputed
+            instead, by cause (``RECOMPUTE_CAUSES``).
+        write_through_dropped: sealed chunks whose write-through disk copy was dropped
+            (queue full, or disk writes disabled); they reach disk only if evicted later.
+        write_downs_async: evicted chunks written to disk on the link (write-back).
+        write_downs_sync: evicted chunks written to disk under the host lock because no
+            spare buffer or link room was free.
+    """
 
     tiers: dict[str, TierStats]
     links: dict[str, LinkStats]
     lookups: int
     lookup_tokens: int
     hit_tokens: int
+    recomputed_chunks_by_cause: dict[str, int] = field(default_factory=dict)
+    write_through_dropped: int = 0
+    write_downs_async: int = 0
+    write_downs_sync: int = 0
 
     def table(self) -> str:
         """A plain-text table of what moved where."""
@@ -79,6 +113,13 @@ class ManagerStats:
             rows.append(
                 f"link {name}: {ls.transfers} transfers, {ls.bytes / 1e6:.1f} MB, "
                 f"{ls.achieved_gbps:.2f} GB/s achieved, waited {ls.wait_s * 1e3:.1f} ms"
+            )
+        recomputed = sum(self.recomputed_chunks_by_cause.values())
+        if recomputed or self.write_through_dropped:
+            causes = ", ".join(f"{k} {v}" for k, v in self.recomputed_chunks_by_cause.items())
+            rows.append(
+                f"recomputed chunks: {recomputed} ({causes or 'none'}); write-through "
+                f"copies dropped: {self.write_through_dropped}"
             )
         if self.lookup_tokens:
             rows.append(
@@ -132,8 +173,6 @@ class KVManager:
                 fsync=cfg.disk.fsync,
             )
         self.tiers: list[Tier] = [t for t in (self.device, self.host, self.disk) if t is not None]
-        for upper, lower in zip(self.tiers, self.tiers[1:], strict=False):
-            upper.set_evict_hook(self._write_down_hook(lower))
         link_cfg = cfg.host_disk_link
         throttle = (
             Throttle(link_cfg.gbps, link_cfg.latency_ms) if link_cfg.gbps is not None else None
@@ -141,13 +180,26 @@ class KVManager:
         self.host_disk_link: Link | None = None
         if self.disk is not None:
             self.host_disk_link = Link("host<->disk", link_cfg.max_inflight_bytes, throttle)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # never held while taking a tier lock
         self._pending: list[TransferHandle] = []
         # One staging chunk for disk->host promotion; only the link's worker thread uses it.
         self._staging: torch.Tensor | None = None
+        # Spare chunks that carry evicted host chunks to disk on the link (write-back).
+        self._spare: list[torch.Tensor] = []
+        # Chunks evicted from host whose disk write is queued: they count as on disk (the
+        # link is FIFO, so a promotion queued after the write finds them there).
+        self._writing: dict[ChunkKey, ChunkRef] = {}
+        if self.disk is not None:
+            self._spare = [layout.empty_chunk().zero_() for _ in range(cfg.disk.write_buffers)]
         self._lookups = 0
         self._lookup_tokens = 0
         self._hit_tokens = 0
+        self._recomputed = dict.fromkeys(RECOMPUTE_CAUSES, 0)
+        self._write_through_dropped = 0
+        self._write_downs_async = 0
+        self._write_downs_sync = 0
+        for upper, lower in zip(self.tiers, self.tiers[1:], strict=False):
+            upper.set_evict_hook(self._write_down_hook(lower))
 
     # ---- keys and lookup ------------------------------------------------------------------
 
@@ -166,11 +218,23 @@ class KVManager:
         raise KeyError(f"no tier {name!r}; configured: {[t.name for t in self.tiers]}")
 
     def locate(self, ref: ChunkRef) -> Tier | None:
-        """The fastest tier holding ``ref`` with matching token ids, or None."""
+        """The fastest tier holding ``ref`` with matching token ids, or None.
+
+        A chunk on its way from host to disk (write-back) counts as on disk.
+        """
         for t in self.tiers:
             if t.contains(ref):
                 return t
-        return None
+        return self.disk if self._is_writing(ref) else None
+
+    def _on_disk(self, ref: ChunkRef) -> bool:
+        """Held by disk, or queued to be written there."""
+        return self.disk is not None and (self.disk.contains(ref) or self._is_writing(ref))
+
+    def _is_writing(self, ref: ChunkRef) -> bool:
+        with self._lock:
+            queued = self._writing.get(ref.key)
+        return queued is not None and queued.token_ids == ref.token_ids
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray) -> LookupResult:
         """The longest prefix of ``token_ids`` whose chunks are all cached in some tier.
@@ -199,26 +263,58 @@ class KVManager:
         """Store sealed chunks in ``tier`` and (write-through) every tier below it.
 
         Sealed chunks below the device are always written to host. With ``write_through``
-        the disk copy is queued on the host⇄disk link (the host copy stays pinned until it
-        lands); with ``write_back`` the disk sees a chunk only when the host evicts it.
-        Blocks for the copies into ``tier`` and host; the caller keeps ``chunk.data``.
+        the disk copy is queued on the host⇄disk link and never waits: when the link has
+        no room (``host_disk_link.max_inflight_bytes``), or the disk takes no writes, the
+        copy is dropped and counted (``write_through_dropped``); such a chunk still reaches
+        disk if the host evicts it. With ``write_back`` the disk sees a chunk only when the
+        host evicts it. Blocks for the copies into ``tier``
+        and host; the caller keeps ``chunk.data``.
         """
         start = self.tier(tier)
         start.put(chunks)
         if start is self.device:
             self.host.put(chunks)
         if self.disk is not None and self.config.write_policy == "write_through":
-            self._queue_to_disk([c.ref for c in chunks])
+            self._queue_to_disk([c.ref for c in chunks], block=False)
 
-    def _queue_to_disk(self, refs: Sequence[ChunkRef]) -> TransferHandle | None:
+    def _queue_to_disk(self, refs: Sequence[ChunkRef], block: bool) -> TransferHandle | None:
+        """Queue disk copies of host chunks on the link; ``block=False`` drops them (counted)
+        when the link has no room instead of waiting for it.
+
+        Nothing is pinned while queued: a chunk the host evicts first goes to disk through
+        the eviction write-down instead, and its queued copy then finds nothing to do.
+        """
         assert self.disk is not None and self.host_disk_link is not None
-        todo = [r for r in refs if not self.disk.contains(r)]
-        # Pin the host copies so they stay readable until the disk write has landed.
-        todo = [r for r, held in zip(todo, self.host.pin(todo), strict=True) if held]
-        if not todo:
+        todo = [r for r in refs if not self._on_disk(r)]
+        if not todo or self.disk.writes_disabled:
+            if not block:
+                self._count_dropped(len(todo))
             return None
         steps = [CopyStep(self.layout.chunk_nbytes, range(0), _DiskWrite(self, r)) for r in todo]
-        return self._track(self.host_disk_link.submit(steps, num_layers=0))
+        link = self.host_disk_link
+        handle = link.submit(steps, 0) if block else link.try_submit(steps, 0)
+        if handle is None:  # the link is full: drop rather than stall the caller
+            self._count_dropped(len(todo))
+            return None
+        return self._track(handle)
+
+    def _count_dropped(self, num_chunks: int) -> None:
+        if num_chunks:
+            with self._lock:
+                self._write_through_dropped += num_chunks
+
+    def count_recompute(self, cause: str, num_chunks: int = 1) -> None:
+        """Record that ``num_chunks`` chunks a lookup had found are recomputed instead.
+
+        Called by the caches that find them unreadable. Thread-safe.
+
+        Raises:
+            ValueError: ``cause`` is not one of ``RECOMPUTE_CAUSES``.
+        """
+        if cause not in self._recomputed:
+            raise ValueError(f"cause: unknown {cause!r}; accepted: {list(RECOMPUTE_CAUSES)}")
+        with self._lock:
+            self._recomputed[cause] += num_chunks
 
     def _track(self, handle: TransferHandle) -> TransferHandle:
         with self._lock:
@@ -226,14 +322,24 @@ class KVManager:
             self._pending.append(handle)
         return handle
 
-    def flush(self) -> None:
-        """Wait until every queued host⇄disk copy has landed, then make the disk durable."""
+    def wait_writes(self) -> None:
+        """Wait until every host⇄disk copy queued so far has landed (not made durable)."""
         with self._lock:
             pending, self._pending = self._pending, []
         for handle in pending:
             handle.wait()
+
+    def flush(self) -> None:
+        """Wait until every queued host⇄disk copy has landed, then make the disk durable.
+
+        Never raises for a disk that failed: its writes are off and it says so in stats.
+        """
+        self.wait_writes()
         if isinstance(self.disk, DiskTier):
-            self.disk.sync()
+            try:
+                self.disk.sync()
+            except OSError as exc:
+                self.disk.disable_writes(exc)
 
     def fetch_into(
         self, refs: Sequence[ChunkRef], outs: Sequence[torch.Tensor], promote: bool = True
@@ -250,6 +356,9 @@ class KVManager:
                 if t.get_into([ref], [out])[0]:
                     name = t.name
                     break
+            if name is None and self.disk is not None and self._is_writing(ref):
+                self.wait_writes()  # it was on its way to disk
+                name = "disk" if self.disk.get_into([ref], [out])[0] else None
             if name == "disk" and promote:
                 self.host.put([Chunk(ref, out)])
             served.append(name)
@@ -263,11 +372,32 @@ class KVManager:
         """
         if self.disk is None or self.host_disk_link is None:
             return None
-        todo = [r for r in refs if not self.host.contains(r) and self.disk.contains(r)]
+        todo = [r for r in refs if not self.host.contains(r) and self._on_disk(r)]
         if not todo:
             return None
         steps = [CopyStep(self.layout.chunk_nbytes, range(0), _Promote(self, r)) for r in todo]
         return self._track(self.host_disk_link.submit(steps, num_layers=0))
+
+    def promote(self, refs: Sequence[ChunkRef]) -> list[str]:
+        """Bring chunks into host (from disk where needed) and say where each one stands.
+
+        Blocks until the promotions have landed (and for link back-pressure). Mutates host
+        (promoted chunks, evictions) and disk (a chunk found corrupt is dropped).
+
+        Returns:
+            For each ref: ``"host"`` (host holds it now; pin it before it can be evicted
+            again), ``"corrupt"`` (its disk copy failed its checks) or ``"missing"`` (in no
+            tier, unreadable, or no host slot was free).
+        """
+        outcomes = ["host" if self.host.contains(r) else "missing" for r in refs]
+        if self.disk is None or self.host_disk_link is None:
+            return outcomes
+        todo = [i for i, r in enumerate(refs) if outcomes[i] != "host" and self._on_disk(r)]
+        if todo:
+            nbytes = self.layout.chunk_nbytes
+            steps = [CopyStep(nbytes, range(0), _Promote(self, refs[i], outcomes, i)) for i in todo]
+            self._track(self.host_disk_link.submit(steps, num_layers=0)).wait()
+        return outcomes
 
     # ---- lifecycle and stats ----------------------------------------------------------------
 
@@ -275,19 +405,24 @@ class KVManager:
         links = {}
         if self.host_disk_link is not None:
             links[self.host_disk_link.name] = self.host_disk_link.stats()
+        tiers = {t.name: t.stats() for t in self.tiers}  # outside the manager lock
         with self._lock:
             return ManagerStats(
-                tiers={t.name: t.stats() for t in self.tiers},
+                tiers=tiers,
                 links=links,
                 lookups=self._lookups,
                 lookup_tokens=self._lookup_tokens,
                 hit_tokens=self._hit_tokens,
+                recomputed_chunks_by_cause=dict(self._recomputed),
+                write_through_dropped=self._write_through_dropped,
+                write_downs_async=self._write_downs_async,
+                write_downs_sync=self._write_downs_sync,
             )
 
     def close(self, flush_host_to_disk: bool = False) -> None:
         """Stop the links and close the tiers; optionally save host chunks to disk first."""
         if flush_host_to_disk and self.disk is not None:
-            self._queue_to_disk(self.host.refs())
+            self._queue_to_disk(self.host.refs(), block=True)
         self.flush()
         if self.host_disk_link is not None:
             self.host_disk_link.close()
@@ -300,8 +435,23 @@ class KVManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _write_down_hook(self, lower: Tier) -> _WriteDown:
-        return _WriteDown(lower)
+    def _write_down_hook(self, lower: Tier) -> _WriteDown | _DiskWriteDown:
+        return _DiskWriteDown(self) if lower is self.disk else _WriteDown(lower)
+
+    def _take_spare(self) -> torch.Tensor | None:
+        with self._lock:
+            return self._spare.pop() if self._spare else None
+
+    def _give_spare(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._spare.append(buffer)
+
+    def _count_write_down(self, asynchronous: bool) -> None:
+        with self._lock:
+            if asynchronous:
+                self._write_downs_async += 1
+            else:
+                self._write_downs_sync += 1
 
 
 class _WriteDown:
@@ -315,36 +465,122 @@ class _WriteDown:
             self.lower.put([victim])
 
 
+class _DiskWriteDown:
+    """Host evict hook: send a victim disk lacks to disk, off the compute thread if it can.
+
+    Runs under the host lock, in whichever thread's ``put`` evicted. The victim is copied
+    into a spare chunk (a memory copy) and written on the host⇄disk link; with no spare
+    free or no room on the link it is written here (so write-back never loses a chunk).
+    Never raises: a disk that takes no writes skips it (the tier counts it).
+    """
+
+    def __init__(self, manager: KVManager) -> None:
+        self.manager = manager
+
+    def __call__(self, victim: Chunk) -> None:
+        manager, disk, link = self.manager, self.manager.disk, self.manager.host_disk_link
+        assert disk is not None and link is not None
+        if manager._on_disk(victim.ref) or disk.writes_disabled:
+            return
+        spare = manager._take_spare()
+        if spare is not None:
+            copy_bytes(spare, victim.data)
+            step = _SpareWrite(manager, victim.ref, spare)
+            with manager._lock:
+                manager._writing[victim.key] = victim.ref
+            handle = link.try_submit([CopyStep(manager.layout.chunk_nbytes, range(0), step)], 0)
+            if handle is not None:
+                manager._track(handle)
+                manager._count_write_down(asynchronous=True)
+                return
+            with manager._lock:
+                del manager._writing[victim.key]
+            manager._give_spare(spare)
+        _put_quietly(disk, Chunk(victim.ref, victim.data))
+        manager._count_write_down(asynchronous=False)
+
+
+def _put_quietly(disk: Tier, chunk: Chunk) -> None:
+    """``disk.put([chunk])`` where no caller can take an error: a disk whose every slot is
+    pinned just does not take it (I/O errors never leave a degrading tier)."""
+    try:
+        disk.put([chunk])
+    except TierFullError as exc:
+        log.debug("disk: chunk %s not written: %s", chunk.ref.short(), exc)
+
+
+class _SpareWrite:
+    """Link step: write an evicted chunk held in a spare buffer to disk, then free it."""
+
+    def __init__(self, manager: KVManager, ref: ChunkRef, spare: torch.Tensor) -> None:
+        self.manager = manager
+        self.ref = ref
+        self.spare = spare
+
+    def __call__(self) -> None:
+        manager = self.manager
+        try:
+            assert manager.disk is not None
+            _put_quietly(manager.disk, Chunk(self.ref, self.spare))
+        finally:
+            with manager._lock:
+                manager._writing.pop(self.ref.key, None)
+            manager._give_spare(self.spare)
+
+
 class _DiskWrite:
-    """Link step: copy one pinned host chunk to disk, then unpin it."""
+    """Link step: copy one host chunk to disk, pinned while it is read (write-through)."""
 
     def __init__(self, manager: KVManager, ref: ChunkRef) -> None:
         self.manager = manager
         self.ref = ref
 
     def __call__(self) -> None:
-        host = self.manager.host
+        host, disk = self.manager.host, self.manager.disk
+        if disk is None or disk.contains(self.ref) or not host.pin([self.ref])[0]:
+            return  # landed already, or evicted (and written down on the way out)
         try:
             view = host.view(self.ref)  # type: ignore[attr-defined]
-            if view is not None and self.manager.disk is not None:
-                self.manager.disk.put([Chunk(self.ref, view)])
+            if view is not None:
+                _put_quietly(disk, Chunk(self.ref, view))
         finally:
             host.unpin([self.ref])
 
 
 class _Promote:
-    """Link step: copy one chunk from disk into host."""
+    """Link step: copy one chunk from disk into host; records the outcome if asked."""
 
-    def __init__(self, manager: KVManager, ref: ChunkRef) -> None:
+    def __init__(
+        self,
+        manager: KVManager,
+        ref: ChunkRef,
+        outcomes: list[str] | None = None,
+        index: int = 0,
+    ) -> None:
         self.manager = manager
         self.ref = ref
+        self.outcomes = outcomes
+        self.index = index
 
     def __call__(self) -> None:
+        outcome = self._promote()
+        if self.outcomes is not None:
+            self.outcomes[self.index] = outcome
+
+    def _promote(self) -> str:
         manager = self.manager
-        if manager.host.contains(self.ref) or manager.disk is None:
-            return
+        if manager.host.contains(self.ref):
+            return "host"
+        if manager.disk is None:
+            return "missing"
         if manager._staging is None:
             manager._staging = manager.layout.empty_chunk().zero_()
         staging = manager._staging
-        if manager.disk.get_into([self.ref], [staging])[0]:
+        held = manager._on_disk(self.ref)
+        if not manager.disk.get_into([self.ref], [staging])[0]:
+            return "corrupt" if held else "missing"
+        try:
             manager.host.put([Chunk(self.ref, staging)])
+        except TierFullError:  # every host slot pinned: the caller recomputes it
+            return "missing"
+        return "host"

@@ -20,7 +20,7 @@ import torch
 
 from kvtier.kv import Chunk, KVLayout
 from kvtier.tiers import disk, disk_io
-from kvtier.tiers.disk import DiskFullError, DiskTier
+from kvtier.tiers.disk import DiskTier
 from tests.conftest import make_chunks, run_in_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -287,10 +287,13 @@ def test_unwritable_path_is_a_value_error(layout: KVLayout, tmp_path: Path) -> N
             open_tier(layout, bad)
 
 
-def test_full_disk_names_the_path(
-    layout: KVLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_full_disk_disables_writes_and_reads_go_on(
+    layout: KVLayout,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    a, b = make_chunks(layout, 2)
+    a, b, c = make_chunks(layout, 3)
     tier = open_tier(layout, tmp_path)
     tier.put([a])
 
@@ -298,13 +301,69 @@ def test_full_disk_names_the_path(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk_io, "pwrite_all", no_space)
-    with pytest.raises(DiskFullError, match=r"disk\.path: no space left .*kvseg"):
-        tier.put([b])
+    with caplog.at_level("ERROR", logger="kvtier.tiers.base"):
+        assert tier.put([b, c]).stored == []  # no exception reaches the caller
+        tier.put([c])
     monkeypatch.undo()
-    assert_holds_exactly(tier, [a])  # the reserved slot was released
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1  # logged once
+    assert "writes disabled" in errors[0] and "no space left" in errors[0]
+    assert ".kvseg" in errors[0]  # names the file
+    stats = tier.stats()
+    # Two failed writes: b's slot, then erasing its header as the slot was released.
+    assert (stats.io_errors, stats.writes_disabled, stats.writes_skipped) == (2, 1, 2)
+    assert tier.writes_disabled
+    assert_holds_exactly(tier, [a])  # reads go on; the reserved slot was released
+    tier.put([b])  # still disabled, even though the disk has room again
+    assert_holds_exactly(tier, [a])
+    tier.enable_writes()
     tier.put([b])
     assert_holds_exactly(tier, [a, b])
+    assert tier.stats().writes_disabled == 0
     tier.close()
+
+
+def test_failed_flush_disables_writes(
+    layout: KVLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = make_chunks(layout, 2)
+    tier = open_tier(layout, tmp_path)
+
+    def io_error(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_io, "datasync", io_error)
+    tier.put([a])  # written, but the flush failed: readable, writes now off
+    monkeypatch.undo()
+    assert tier.writes_disabled and tier.stats().io_errors == 1
+    tier.put([b])
+    assert_holds_exactly(tier, [a])
+    tier.close()
+
+
+def test_failed_read_is_a_miss(
+    layout: KVLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = make_chunks(layout, 2)
+    tier = open_tier(layout, tmp_path)
+    tier.put([a, b])
+
+    def io_error(fd: int, buf: memoryview, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_io, "pread_upto", io_error)
+    assert tier.get_into([a.ref], [layout.empty_chunk()]) == [False]
+    monkeypatch.undo()
+    stats = tier.stats()
+    assert (stats.io_errors, stats.corrupt_dropped, stats.writes_disabled) == (1, 1, 0)
+    assert_holds_exactly(tier, [b])
+    tier.close()
+
+
+def test_capacity_below_one_chunk_is_refused(layout: KVLayout, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"disk\.capacity_bytes \(--disk-mb\): .* at least"):
+        DiskTier(layout, tmp_path, layout.chunk_nbytes - 1)
+    assert not list(tmp_path.iterdir())  # refused before touching the directory
 
 
 def test_four_threads_lose_nothing(layout: KVLayout, tmp_path: Path) -> None:

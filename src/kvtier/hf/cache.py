@@ -38,7 +38,7 @@ from kvtier.hf.stream import Piece, Streamer, cut_pieces
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
 from kvtier.manager import KVManager
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import ChunkLostError, TierStats
 from kvtier.tiers.pool import PoolTier, device_tier
 from kvtier.transfer import LinkStats
 
@@ -394,6 +394,11 @@ class TieredCache(SelfManagedCache):
         Call on an empty cache before generating. At least one prompt token is left to
         compute (the model needs it for the next-token logits). Only whole chunks are reused;
         all rows must share the reused prefix (in practice: one row).
+
+        Storage faults cost recompute, never an error: disk chunks are promoted to host
+        first (blocking), and only the leading run that host then holds is adopted; the
+        rest of the prefix is recomputed, counted in the manager's
+        ``recomputed_chunks_by_cause`` (``"corrupt"`` or ``"missing"``).
         """
         if self.seq_len:
             raise ValueError("reuse_prefix: the cache already holds tokens; call reset() first")
@@ -408,18 +413,33 @@ class TieredCache(SelfManagedCache):
             return 0
         refs = [h.refs[:hit_chunks] for h in hits]
         self.host.count_reads(sum(h.by_tier.get("host", 0) for h in hits), 0)
-        for row_refs in refs:
-            handle = self.manager.prefetch_to_host(row_refs)  # disk -> host, promoted
-            if handle is not None:
-                handle.wait()
-        self._init_batch(ids.shape[0], self.device)
-        self.refs = refs
-        hit = hit_chunks * size
-        self.seq_len = hit
-        self.token_ids = ids[:, :hit].clone()
-        self.valid = torch.ones(ids.shape[0], hit, dtype=torch.bool)
-        self.reused_tokens = hit
-        self._adopt_on_device()
+        # Promote disk -> host, then adopt only the leading run that host now holds (pinned
+        # until it is on the device): a chunk found corrupt or gone, and every chunk after
+        # it, is recomputed instead, and counted by the cause of the first one lost.
+        held: list[ChunkRef] = []
+        adopted, cause = hit_chunks, "missing"
+        try:
+            for row_refs in refs:
+                outcomes = self.manager.promote(row_refs[:adopted])
+                pinned = self.host.pin(row_refs[:adopted])
+                held += [r for r, ok in zip(row_refs, pinned, strict=False) if ok]
+                run = next((i for i, ok in enumerate(pinned) if not ok), adopted)
+                if run < adopted:
+                    adopted, cause = run, outcomes[run] if outcomes[run] != "host" else "missing"
+            if adopted < hit_chunks:
+                self.manager.count_recompute(cause, (hit_chunks - adopted) * len(refs))
+            if adopted == 0:
+                return 0
+            self._init_batch(ids.shape[0], self.device)
+            self.refs = [r[:adopted] for r in refs]
+            hit = adopted * size
+            self.seq_len = hit
+            self.token_ids = ids[:, :hit].clone()
+            self.valid = torch.ones(ids.shape[0], hit, dtype=torch.bool)
+            self.reused_tokens = hit
+            self._adopt_on_device()
+        finally:
+            self.host.unpin(held)
         return hit
 
     def reserve(self, open_chunks: int = 2) -> None:
@@ -597,9 +617,13 @@ class TieredCache(SelfManagedCache):
             # The previous pass did not reach its last layer (an exception): drop its state.
             self._release_plan()
         self._init_batch(rows, device)
-        size = self.layout.chunk_tokens
+        assert self.device_tier is not None and self.streamer is not None
         model = self._model()
         ids = _LAST_IDS.pop(model, None) if model is not None else None
+        plan = _Plan(sealed_before=len(self.refs[0]), tail_before=self.tail_len)
+        streamed = self._pin_sealed(plan)  # before any state changes: it may raise
+        plan.new_tokens = new_tokens
+        size = self.layout.chunk_tokens
         if ids is None or tuple(ids.shape) != (rows, new_tokens):
             ids = torch.full((rows, new_tokens), -1, dtype=torch.int64)
         self.token_ids = torch.cat(
@@ -608,13 +632,30 @@ class TieredCache(SelfManagedCache):
         self.valid = torch.cat(
             [self.valid.reshape(rows, -1), torch.ones(rows, new_tokens, dtype=torch.bool)], 1
         )
-        sealed = len(self.refs[0])
-        plan = _Plan(sealed_before=sealed, tail_before=self.tail_len, new_tokens=new_tokens)
         self.seq_len += new_tokens
         full = (self.tail_len + new_tokens) // size
         if self.tail_len + new_tokens > size:
             self._ensure_open(rows, full)
-        assert self.device_tier is not None and self.streamer is not None
+        plan.pieces = cut_pieces(self.layout.num_layers, streamed, self.streamer.piece_chunks)
+        per_layer: list[list[int]] = [[] for _ in range(self.layout.num_layers)]
+        for index, piece in enumerate(plan.pieces):
+            per_layer[piece.layer_idx].append(index)
+        plan.pieces_by_layer = per_layer
+        self._plan = plan
+        self.streamer.start(plan.pieces)
+        self.peak_device_nbytes = max(self.peak_device_nbytes, self.device_nbytes)
+
+    def _pin_sealed(self, plan: _Plan) -> list[tuple[int, int, int]]:
+        """Pin every sealed chunk for a pass: on the device (resident, into ``plan``) or
+        in host (streamed; disk chunks are promoted first). Returns the streamed ones as
+        ``(host slot, row, chunk)``.
+
+        Raises:
+            ChunkLostError: a chunk is in no tier (evicted, corrupt, unreadable); nothing
+                is left pinned, and the chunks a resume will recompute (from the first one
+                lost to the end of its row) are counted in the manager's stats.
+        """
+        assert self.device_tier is not None
         streamed: list[tuple[int, int, int]] = []
         missing: list[ChunkRef] = []
         for row, row_refs in enumerate(self.refs):
@@ -628,29 +669,33 @@ class TieredCache(SelfManagedCache):
                 if not self.host.contains(ref):
                     missing.append(ref)
                 streamed.append((-1, row, chunk))
-        if missing:
-            handle = self.manager.prefetch_to_host(missing)
-            if handle is not None:
-                handle.wait()
+        outcomes = dict(zip(missing, self.manager.promote(missing), strict=True))
+        lost: dict[int, tuple[int, str]] = {}  # row -> (first chunk lost, cause)
         for i, (_, row, chunk) in enumerate(streamed):
             ref = self.refs[row][chunk]
-            if not self.host.pin([ref])[0]:
-                raise RuntimeError(
-                    f"chunk {ref.short()} of sequence {row} is in no tier (host capacity "
-                    f"{self.host.capacity_bytes} bytes may be too small for the context)"
-                )
+            if row in lost or not self.host.pin([ref])[0]:
+                if row not in lost:
+                    lost[row] = (chunk, "corrupt" if outcomes.get(ref) == "corrupt" else "missing")
+                continue
             plan.host_pins.append(ref)
             slot = self.host.slot_of(ref)
             assert slot is not None
             streamed[i] = (slot, row, chunk)
-        plan.pieces = cut_pieces(self.layout.num_layers, streamed, self.streamer.piece_chunks)
-        per_layer: list[list[int]] = [[] for _ in range(self.layout.num_layers)]
-        for index, piece in enumerate(plan.pieces):
-            per_layer[piece.layer_idx].append(index)
-        plan.pieces_by_layer = per_layer
-        self._plan = plan
-        self.streamer.start(plan.pieces)
-        self.peak_device_nbytes = max(self.peak_device_nbytes, self.device_nbytes)
+        if not lost:
+            return streamed
+        self.device_tier.unpin(plan.device_pins)
+        self.host.unpin(plan.host_pins)
+        for row, (chunk, cause) in lost.items():
+            self.manager.count_recompute(cause, len(self.refs[row]) - chunk)
+        row, (chunk, cause) = next(iter(lost.items()))
+        ref = self.refs[row][chunk]
+        raise ChunkLostError(
+            f"chunk {ref.short()} of sequence {row} is in no tier ({cause}); resume it from "
+            f"its cached prefix (host capacity {self.host.capacity_bytes} bytes may be too "
+            "small for the context)",
+            cause=cause,
+            num_chunks=sum(len(self.refs[r]) - c for r, (c, _) in lost.items()),
+        )
 
     def _ensure_open(self, rows: int, full: int) -> None:
         shape = (rows, full, *self.layout.chunk_shape)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from kvtier.tiers.base import PutResult, Tier, TierFullError, TierStats
+from kvtier.tiers.base import ChunkLostError, PutResult, Tier, TierFullError, TierStats
 from kvtier.tiers.disk import DiskFullError, DiskTier
 from kvtier.tiers.pool import PoolTier, device_tier, host_tier
 
 __all__ = [
+    "ChunkLostError",
     "DiskFullError",
     "DiskTier",
     "PoolTier",

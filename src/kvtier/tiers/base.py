@@ -33,9 +33,34 @@ class TierFullError(RuntimeError):
     """Raised by ``put`` when no slot can be freed because every chunk is pinned."""
 
 
+class ChunkLostError(RuntimeError):
+    """A sequence's own sealed chunk is in no tier any more (evicted, corrupt, unreadable).
+
+    Raised mid-sequence by the cache that needs the chunk, before the forward pass uses
+    any KV: the sequence's state is intact up to its sealed chunks, and it can resume by
+    recomputing from its longest prefix still cached (``TieredCache.reuse_prefix``).
+
+    Attributes:
+        cause: ``"corrupt"`` (the chunk's stored bytes failed their checks) or
+            ``"missing"`` (evicted or never landed).
+        num_chunks: how many of the sequence's chunks are lost.
+    """
+
+    def __init__(self, message: str, cause: str = "missing", num_chunks: int = 1) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.num_chunks = num_chunks
+
+
 @dataclass
 class TierStats:
-    """Counters of one tier. Read them through ``Tier.stats()`` (a consistent copy)."""
+    """Counters of one tier. Read them through ``Tier.stats()`` (a consistent copy).
+
+    ``corrupt_dropped`` counts chunks dropped because their stored bytes failed a check
+    (or could not be read); ``io_errors`` counts failed I/O calls; ``writes_disabled`` is 1
+    while a tier refuses writes after an I/O error (0 otherwise; a sum over tiers counts
+    the disabled ones); ``writes_skipped`` counts chunks not stored because of it.
+    """
 
     hits: int = 0
     misses: int = 0
@@ -46,6 +71,9 @@ class TierStats:
     evictions: int = 0
     collisions: int = 0
     corrupt_dropped: int = 0
+    io_errors: int = 0
+    writes_disabled: int = 0  # 1 while the tier refuses writes after an I/O error
+    writes_skipped: int = 0  # chunks not written because writes were disabled
     put_seconds: float = 0.0
     get_seconds: float = 0.0
 
@@ -110,6 +138,10 @@ class Tier(ABC):
         eviction_policy: registry name of the eviction policy.
     """
 
+    degrade_on_io_error = False
+    """True for tiers whose writes can fail on I/O (the disk): an ``OSError`` from a write
+    disables further writes instead of reaching the caller; reads continue."""
+
     def __init__(
         self, name: str, layout: KVLayout, capacity_bytes: int, eviction_policy: str = "lru"
     ) -> None:
@@ -124,6 +156,7 @@ class Tier(ABC):
         self._lock = threading.RLock()
         self._stats = TierStats()
         self._on_evict: EvictHook | None = None
+        self._write_fault: OSError | None = None  # set: writes are disabled
 
     # ---- slot storage, provided by subclasses -------------------------------------------
 
@@ -200,6 +233,42 @@ class Tier(ABC):
         """Install the callback that sees each victim before its slot is freed."""
         self._on_evict = hook
 
+    @property
+    def writes_disabled(self) -> bool:
+        """True once an I/O error disabled writes (until ``enable_writes``)."""
+        return self._write_fault is not None
+
+    def disable_writes(self, exc: OSError) -> None:
+        """Stop taking writes after the I/O error ``exc``; reads continue.
+
+        Counts the error in ``stats.io_errors``; the first call logs it (one error line
+        naming the tier and the cause), later ones only count. Thread-safe.
+        """
+        with self._lock:
+            self._stats.io_errors += 1
+            if self._write_fault is not None:
+                return
+            self._write_fault = exc
+            self._stats.writes_disabled = 1
+        log.error(
+            "%s tier: writes disabled after an I/O error (%s); serving continues with the "
+            "chunks it holds, and KV that would have gone here is recomputed when needed. "
+            "Free space or fix the device, then restart.",
+            self.name,
+            exc,
+        )
+
+    def enable_writes(self) -> None:
+        """Take writes again after ``disable_writes`` (e.g. once space was freed)."""
+        with self._lock:
+            self._write_fault = None
+            self._stats.writes_disabled = 0
+
+    def count_io_error(self) -> None:
+        """Count a failed I/O call that did not disable writes (a read, a header erase)."""
+        with self._lock:
+            self._stats.io_errors += 1
+
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(**asdict(self._stats))
@@ -251,7 +320,9 @@ class Tier(ABC):
 
         The caller keeps ownership of every ``chunk.data``. Chunks already held are left as
         they are (sealed chunks never change). Blocks for the copies, then runs
-        ``_end_put`` (also when it raises).
+        ``_end_put`` (also when it raises). A tier that ``degrade_on_io_error`` never
+        raises ``OSError`` here: the first one disables its writes (``disable_writes``),
+        and this and later calls skip the chunks they were given (``stats.writes_skipped``).
 
         Raises:
             TierFullError: a slot is needed and every held chunk is pinned (the chunks
@@ -259,16 +330,23 @@ class Tier(ABC):
         """
         result = PutResult()
         try:
-            for chunk in chunks:
+            for i, chunk in enumerate(chunks):
+                if self._write_fault is not None:
+                    with self._lock:
+                        self._stats.writes_skipped += len(chunks) - i
+                    break
                 slot = self._reserve(chunk.ref, result)
                 if slot is None:
                     continue
                 start = time.perf_counter()
                 try:
                     self._write_slot(slot, chunk)
-                except BaseException:
+                except BaseException as exc:
                     with self._lock:
                         self._drop(chunk.key)
+                    if isinstance(exc, OSError) and self.degrade_on_io_error:
+                        self.disable_writes(exc)
+                        continue  # counts the rest as skipped
                     raise
                 elapsed = time.perf_counter() - start
                 with self._lock:

@@ -49,13 +49,14 @@ IO_THREADS = 4
 
 
 class DiskFullError(OSError):
-    """Raised by ``DiskTier.put`` when the filesystem under ``disk.path`` is full."""
+    """A full filesystem under ``disk.path``, naming the file (what ``disable_writes`` logs)."""
 
 
 class DiskTier(Tier):
     """Chunks in segment files on a local filesystem; survives restarts and crashes.
 
-    A chunk is durable once ``put`` returns (with ``fsync=True``). Opening a directory that
+    A chunk is durable once ``put`` returns (with ``fsync=True``; without it, once ``put``
+    returns it survives the process being killed, not a power cut). Opening a directory that
     holds segments scans their slot headers (not the data) and serves every valid chunk
     again, oldest first in eviction order; bad headers, truncated slots and (on read, or at
     open with ``verify_on_open``) bad data are dropped and counted in
@@ -64,6 +65,11 @@ class DiskTier(Tier):
 
     ``get_into`` copies a chunk into ``out`` piece by piece while the next pieces are read,
     before the data hash is known: hence a chunk found corrupt may leave part of it in ``out``.
+
+    I/O errors degrade, never fail a caller: the first ``OSError`` of a write or a flush
+    (a full disk, EIO, EINVAL...) disables the tier's writes (``disable_writes``: counted,
+    logged once); ``put`` then skips its chunks while reads go on. A read that fails with
+    an ``OSError`` counts in ``stats.io_errors`` and reads as a corrupt chunk (dropped).
 
     Args:
         layout: the KV layout of every chunk stored.
@@ -78,6 +84,8 @@ class DiskTier(Tier):
         verify_on_open: also check every chunk's data hash at open (reads all data).
     """
 
+    degrade_on_io_error = True
+
     def __init__(
         self,
         layout: KVLayout,
@@ -90,6 +98,13 @@ class DiskTier(Tier):
         verify_on_open: bool = False,
     ) -> None:
         super().__init__("disk", layout, capacity_bytes, eviction_policy)
+        if self.num_slots < 1:
+            minimum_mb = -(-layout.chunk_nbytes // (1 << 20))
+            raise ValueError(
+                f"disk.capacity_bytes (--disk-mb): {capacity_bytes} bytes holds no chunk; "
+                f"give at least {layout.chunk_nbytes} bytes (--disk-mb {minimum_mb}), one "
+                "chunk of this model, or no disk tier"
+            )
         if segment_nbytes < 1:
             raise ValueError(f"disk.segment_nbytes: must be >= 1, got {segment_nbytes}")
         self.path = os.path.abspath(os.fspath(path))
@@ -224,9 +239,14 @@ class DiskTier(Tier):
                 f"disk.get_into: output buffer is {tuple(out.shape)} {out.dtype}; "
                 f"give {self.layout.chunk_shape} {self.layout.dtype}"
             )
-        if out.is_contiguous():  # copied piece by piece as the pieces land
-            return self._read_verified(slot, ref, out.view(-1).view(torch.uint8)) is not None
-        if self._read_verified(slot, ref) is None:
+        try:
+            if out.is_contiguous():  # copied piece by piece as the pieces land
+                return self._read_verified(slot, ref, out.view(-1).view(torch.uint8)) is not None
+            if self._read_verified(slot, ref) is None:
+                return False
+        except OSError as exc:
+            self.count_io_error()
+            log.warning("disk: reading chunk %s from %s failed: %s", ref.short(), self.path, exc)
             return False
         src = self._staging().tensor[self.header_nbytes : self.header_nbytes + self.chunk_nbytes]
         out.copy_(src.view(self.layout.dtype).view(self.layout.chunk_shape))
@@ -250,9 +270,12 @@ class DiskTier(Tier):
         if not dirty:
             return
         start = time.perf_counter()
-        for segment in sorted(dirty):
-            self._sync_fd(segment)
-        dirty.clear()  # kept on failure: the next put flushes these segments again
+        try:
+            for segment in sorted(dirty):
+                self._sync_fd(segment)
+        except OSError as exc:  # the chunks stay readable, but may not survive a crash
+            self.disable_writes(exc)
+        dirty.clear()
         with self._lock:
             self._stats.put_seconds += time.perf_counter() - start
 
@@ -261,6 +284,7 @@ class DiskTier(Tier):
             self._zero_header(slot)
         except OSError as exc:
             # The chunk may come back after a restart; harmless, it is valid immutable KV.
+            self._stats.io_errors += 1  # under the tier lock (called from _drop)
             log.warning("disk: could not invalidate slot %d in %s: %s", slot, self.path, exc)
 
     # ---- files --------------------------------------------------------------------------
