@@ -203,11 +203,12 @@ class KVManager:
 
     # ---- keys and lookup ------------------------------------------------------------------
 
-    def refs_for(self, token_ids: Sequence[int] | np.ndarray) -> list[ChunkRef]:
-        """References of every full chunk of ``token_ids`` (a partial tail has none)."""
+    def refs_for(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> list[ChunkRef]:
+        """References of every full chunk of ``token_ids`` (a partial tail has none), keyed
+        under the tenant ``salt`` (empty: the shared namespace)."""
         ids = np.asarray(token_ids, dtype=np.int64)
         size = self.layout.chunk_tokens
-        keys = self.hasher.chain(ids)
+        keys = self.hasher.chain(ids, salt)
         return [ChunkRef.of(key, ids[i * size : (i + 1) * size]) for i, key in enumerate(keys)]
 
     def tier(self, name: str) -> Tier:
@@ -236,15 +237,16 @@ class KVManager:
             queued = self._writing.get(ref.key)
         return queued is not None and queued.token_ids == ref.token_ids
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> LookupResult:
-        """The longest prefix of ``token_ids`` whose chunks are all cached in some tier.
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> LookupResult:
+        """The longest prefix of ``token_ids`` whose chunks are all cached in some tier,
+        among the chunks keyed under the tenant ``salt``.
 
         Token ids are compared on every hit, so a key collision ends the prefix rather
         than returning another sequence's KV.
         """
         refs: list[ChunkRef] = []
         names: list[str] = []
-        for ref in self.refs_for(token_ids):
+        for ref in self.refs_for(token_ids, salt):
             where = self.locate(ref)
             if where is None:
                 break

@@ -35,11 +35,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start(folder: Path, disk: Path, port: int) -> subprocess.Popen[str]:
+def start(
+    folder: Path, disk: Path, port: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``kvtier serve`` on the tiny model folder, with ``extra`` flags; waits for /health."""
     command = [sys.executable, "-m", "kvtier.cli", "serve", "--model", str(folder)]
     command += ["--port", str(port), "--disk-dir", str(disk), "--chunk-tokens", "16"]
-    command += ["--device-budget-mb", "1", "--host-mb", "16", "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command += ["--device-budget-mb", "1", "--host-mb", "16", "--log-level", "warning", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while True:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import http.client
-import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,62 +10,19 @@ from typing import Any
 
 import openai
 import pytest
-import uvicorn
-from openai import OpenAI
 
 from kvtier import cli
 from kvtier.engine import LLM, Engine, SamplingParams
 from kvtier.server import create_app
+from kvtier.server.config import ServerConfig
 from tests.engine.tiny import FAULT_TOKEN, engine_config, inject_fault, reference_tokens
+from tests.server.live import KEY, ServerThread
 
 NAME = "tiny-llama"
-KEY = "sk-test"
 MESSAGES = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": "Name three colours of the rainbow."},
 ]
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on a free port of 127.0.0.1 from a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-
-    def client(self, api_key: str = KEY, **kw: Any) -> OpenAI:
-        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, **kw)
-
-    def request(
-        self, method: str, path: str, body: bytes | dict[str, Any] | None = None, key: str = KEY
-    ) -> tuple[int, Any]:
-        """A raw HTTP request (bodies the openai client would never send); JSON back."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        conn.request(method, path, body=data, headers=headers)
-        response = conn.getresponse()
-        raw = response.read()
-        conn.close()
-        is_json = response.getheader("content-type", "").startswith("application/json")
-        return response.status, json.loads(raw) if is_json else raw.decode()
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +33,7 @@ def engine(model: Any, tokenizer: Any) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def server(engine: Engine) -> Iterator[ServerThread]:
-    running = ServerThread(create_app(engine, NAME, api_key=KEY))
+    running = ServerThread(create_app(engine, NAME, ServerConfig(api_keys=(KEY,))))
     yield running
     running.stop()
 
@@ -166,7 +120,7 @@ BAD_INPUTS = [
      "number"),
     (CHAT, {"model": NAME, "messages": MESSAGES, "max_tokens": "5"}, 400, "max_tokens",
      "integer"),
-    (CHAT, {"model": NAME, "messages": MESSAGES, "temperature": -1}, 400, "temperature", ">= 0"),
+    (CHAT, {"model": NAME, "messages": MESSAGES, "temperature": -1}, 400, "temperature", "[0, 2]"),
     (CHAT, {"model": NAME, "messages": MESSAGES, "top_p": 0}, 400, "top_p", "(0, 1]"),
     (CHAT, {"model": NAME, "messages": MESSAGES, "n": 2}, 400, "n", "n=1"),
     (CHAT, {"model": NAME, "messages": MESSAGES, "stop": 5}, 400, "stop", "a string"),

@@ -11,6 +11,8 @@ request at a time in admission order.
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import threading
 import time
 from collections import deque
@@ -40,6 +42,8 @@ from kvtier.hf.cache import CacheStats
 from kvtier.kv import KVLayout
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -100,6 +104,8 @@ class Engine:
         self._max_decode_batch = 0
         self._closing = False
         self._closed = False
+        self._dead: str | None = None  # why the worker died, once it has
+        self._service_s: float | None = None  # moving average of arrival → finish
         self._ids = itertools.count()
         self._counts = dict.fromkeys(
             (
@@ -116,6 +122,7 @@ class Engine:
                 "preemptions",
                 "prefetched_chunks",
                 "isolated_failures",
+                "recovered_sequences",
             ),
             0,
         )
@@ -165,27 +172,34 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> RequestHandle:
         """Queue a request; returns its handle at once (generation runs on the worker).
+
+        ``cache_salt`` names the tenant: the request reuses KV only from requests with the
+        same salt, and its own chunks are keyed under it in every tier.
 
         Raises:
             ParamError: an empty prompt or a token id outside the vocabulary.
             ContextLengthError: prompt plus ``max_tokens`` exceed ``max_model_len``.
             QueueFullError: ``config.max_queued`` requests are already waiting.
-            EngineClosedError: ``close`` has been called.
+            EngineClosedError: ``close`` has been called, or the worker died.
         """
         params = params or SamplingParams()
         ids = as_prompt_ids(self.encode(prompt) if isinstance(prompt, str) else prompt)
         self._check_fits(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        handle = RequestHandle(Request(request_id, ids, params))
+        handle = RequestHandle(Request(request_id, ids, params, cache_salt))
         with self._cond:
+            if self._dead is not None:
+                raise EngineClosedError(f"the engine's worker died ({self._dead})")
             if self._closing:
                 raise EngineClosedError("the engine is shutting down and accepts no requests")
             if len(self._queue) >= self.config.max_queued:
                 self._counts["rejected"] += 1
                 raise QueueFullError(
-                    f"the request queue is full ({self.config.max_queued} waiting); retry later"
+                    f"the request queue is full ({self.config.max_queued} waiting); retry later",
+                    self._retry_after_s(),
                 )
             self._queue.append(handle)
             self._counts["submitted"] += 1
@@ -269,6 +283,7 @@ class Engine:
             preemptions=counts["preemptions"],
             prefetched_chunks=counts["prefetched_chunks"],
             isolated_failures=counts["isolated_failures"],
+            recovered_sequences=counts["recovered_sequences"],
         )
 
     @property
@@ -276,29 +291,60 @@ class Engine:
         with self._cond:
             return self._closing
 
-    def close(self, drain: bool = True) -> None:
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the worker thread died (None while it lives): the engine serves no more."""
+        with self._cond:
+            return self._dead
+
+    def _retry_after_s(self) -> int:
+        """Seconds until the queue has likely moved on by one admission (for 429s).
+
+        Caller holds ``_cond``."""
+        service = self._service_s if self._service_s is not None else 1.0
+        waits = (len(self._queue) + 1) / max(1, self.config.max_running)
+        return max(1, min(600, math.ceil(service * waits)))
+
+    def close(self, drain: bool = True, timeout_s: float | None = None) -> bool:
         """Stop accepting requests, finish or cancel the rest, and release the tiers.
 
-        With ``drain`` every queued and running request is generated to its end; without,
-        they end with ``finish_reason="cancelled"``. Then the cache is closed and, when the
-        engine owns its manager, the manager too — after writing the host tier to disk
-        when a disk tier is configured, so a restart finds the sessions' KV. Blocks until
-        done; idempotent.
+        With ``drain`` every queued and running request is generated to its end, for at
+        most ``timeout_s`` (None: no limit); then, or without ``drain``, what is left ends
+        with ``finish_reason="cancelled"`` at the worker's next step. Then the caches are
+        closed and, when the engine owns its manager, the manager too — after writing the
+        host tier to disk when a disk tier is configured, so a restart finds the sessions'
+        KV. Blocks until done; idempotent.
+
+        Returns:
+            True when the worker stopped; False when it was still inside a step after the
+            timeout and a grace period (a wedged forward): the tiers are flushed anyway and
+            the caller should exit the process.
         """
         with self._cond:
             if self._closed:
-                return
+                return not self._worker.is_alive()
             self._closed = self._closing = True
             if not drain:
-                for handle in self._queue:
-                    handle.cancel()
-                for handle in (*self._running, *self._resuming):
-                    handle.cancel()
+                self._cancel_all()
             self._cond.notify_all()
-        self._worker.join()
-        self._scheduler.close()
+        self._worker.join(timeout_s)
+        if self._worker.is_alive():
+            with self._cond:
+                log.warning("drain timed out after %.0f s; cancelling what is left", timeout_s)
+                self._cancel_all()
+                self._cond.notify_all()
+            self._worker.join(_CANCEL_GRACE_S)
+        stopped = not self._worker.is_alive()
+        if stopped:
+            self._scheduler.close()
         if self._owns_manager:
             self.manager.close(flush_host_to_disk=self.manager.disk is not None)
+        return stopped
+
+    def _cancel_all(self) -> None:
+        """Cancel every queued, running and preempted request (caller holds ``_cond``)."""
+        for handle in (*self._queue, *self._running, *self._resuming):
+            handle.cancel()
 
     def __enter__(self) -> Engine:
         return self
@@ -314,6 +360,22 @@ class Engine:
         return list(self._scheduler.caches)
 
     def _run(self) -> None:
+        """The worker thread. A fault in a step fails that step's sequences; a fault that
+        escapes even that kills the worker: every waiting request then fails with the
+        reason, ``dead_reason`` says it (``/health`` answers 503) and ``submit`` refuses."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.critical("the engine's worker died: %s", reason, exc_info=exc)
+            with self._cond:
+                self._dead = reason
+                waiting = [*self._queue, *self._running, *self._resuming]
+                self._queue.clear()
+            for handle in waiting:
+                handle.fail(EngineClosedError(f"the engine's worker died ({reason})"))
+
+    def _serve(self) -> None:
         scheduler = self._scheduler
         with torch.no_grad():  # grad mode is per thread
             while True:
@@ -325,6 +387,7 @@ class Engine:
                 try:
                     scheduler.step()
                 except Exception as exc:  # a scheduler fault: its sequences fail, not the engine
+                    log.exception("a scheduler step failed; its sequences fail")
                     scheduler.fail_all(exc)
 
     def _emit(
@@ -348,19 +411,25 @@ class Engine:
         self._count("generated_tokens")
         if reason is not None:  # counted before the caller can see the end
             self._count("cancelled" if reason == "cancelled" else "finished")
+            self._observe_service(now - handle.request.arrival_s)
         handle.put(TokenEvent(handle.request_id, token, delta, reason is not None, reason))
         return reason, now
+
+    def _observe_service(self, seconds: float) -> None:
+        with self._cond:
+            last = self._service_s
+            self._service_s = seconds if last is None else 0.8 * last + 0.2 * seconds
 
     def _observe_batch(self, rows: int) -> None:
         with self._cond:
             self._max_decode_batch = max(self._max_decode_batch, rows)
 
-    def _prefix_tiers(self, prompt_ids: Sequence[int]) -> list[str]:
+    def _prefix_tiers(self, prompt_ids: Sequence[int], salt: str = "") -> list[str]:
         """For each cached leading chunk of the prompt, the tier that holds it now."""
         size = self.manager.layout.chunk_tokens
         limit = ((len(prompt_ids) - 1) // size) * size  # reuse_prefix leaves the last token
         names: list[str] = []
-        for ref in self.manager.refs_for(list(prompt_ids[:limit])):
+        for ref in self.manager.refs_for(list(prompt_ids[:limit]), salt):
             tier = self.manager.locate(ref)
             if tier is None:
                 break
@@ -381,6 +450,10 @@ class Engine:
 
     def _new_cache(self) -> TieredCache:
         return TieredCache(self.model, self.config.cache, self.manager, model_id=self.model_id)
+
+
+# How long a worker still inside a step after a drain timeout gets to reach the next step.
+_CANCEL_GRACE_S = 5.0
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -8,6 +8,7 @@ event in handle``) or from an asyncio loop (``async for event in handle.events()
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import deque
@@ -16,6 +17,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled"]
+
+# The ranges every request is checked against before any work (OpenAI's where it has one).
+MAX_TEMPERATURE = 2.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class ParamError(ValueError):
@@ -31,7 +38,15 @@ class ContextLengthError(ParamError):
 
 
 class QueueFullError(RuntimeError):
-    """``Engine.submit`` found the admission queue full; retry later (HTTP 429)."""
+    """``Engine.submit`` found the admission queue full; retry later (HTTP 429).
+
+    Attributes:
+        retry_after_s: the engine's estimate of when a retry may be admitted.
+    """
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineClosedError(RuntimeError):
@@ -51,8 +66,11 @@ class SamplingParams:
         max_tokens: most tokens to generate.
         stop: strings that end the output; the output is cut before the first one.
         seed: seeds the request's own random generator, so sampling reproduces; None
-            draws a fresh seed.
+            draws a fresh seed. Any integer the generator takes: ``[-2**63, 2**64 - 1]``.
         ignore_eos: keep generating past the tokenizer's end-of-sequence token.
+
+    Every accepted value samples without error: ranges are checked here, before any work,
+    and ``kvtier.engine.sampling.sample`` cannot underflow for any of them.
     """
 
     temperature: float = 1.0
@@ -68,18 +86,31 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not _is_number(self.temperature) or not self.temperature >= 0:
-            raise ParamError("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ParamError(
+                "temperature",
+                f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}",
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ParamError("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ParamError("top_k", f"must be an integer >= 0 (0: off), got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ParamError("stop", f"must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ParamError("seed", f"must be an integer or None, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ParamError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
+        if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise ParamError(
+                "stop", f"must be non-empty strings of at most {MAX_STOP_CHARS} characters"
+            )
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ParamError(
+                "seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {self.seed!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -91,7 +122,13 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real, finite number (not a bool, not NaN or infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 @dataclass(frozen=True)
@@ -102,12 +139,15 @@ class Request:
         request_id: unique per engine.
         prompt_ids: the prompt's token ids (at least one).
         params: sampling and stopping.
+        cache_salt: the tenant's salt: KV is reused only between requests with the same
+            salt (empty: the engine's shared namespace).
         arrival_s: ``time.perf_counter()`` at submission (TTFT counts from here).
     """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    cache_salt: str = ""
     arrival_s: float = field(default_factory=time.perf_counter)
 
 

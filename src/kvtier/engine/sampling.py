@@ -31,8 +31,9 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Set the logits outside top-k and top-p to -inf; ``[..., V]`` in, same shape out.
 
-    Top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p``
-    (always at least one token). ``top_k=0`` and ``top_p=1`` keep everything.
+    Top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p``;
+    the most likely token is always kept, so a ``top_p`` that rounds to 0 in the logits'
+    dtype still leaves one token. ``top_k=0`` and ``top_p=1`` keep everything.
     """
     out = logits.clone()
     vocab = out.shape[-1]
@@ -44,6 +45,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the more likely ones already reach top_p.
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
@@ -52,10 +54,17 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> int:
-    """The next token from ``logits [V]``: argmax at temperature 0, else a seeded draw."""
+    """The next token from ``logits [V]``: argmax at temperature 0, else a seeded draw.
+
+    Cannot fail for any ``SamplingParams`` that validated: the logits are shifted so the
+    largest is 0 before dividing by the temperature (a tiny temperature sends the others to
+    -inf, never to NaN), and filtering always keeps the most likely token.
+    """
     if params.greedy:
         return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature
+    shifted = logits.double()
+    shifted = shifted - shifted.max()  # [V], <= 0, the argmax at exactly 0
+    scaled = shifted / params.temperature
     probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

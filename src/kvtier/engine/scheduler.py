@@ -15,11 +15,17 @@ Every ``step`` reads schedule → run → postprocess:
    decoding sequence (different lengths, no padding).
 3. **postprocess**: sample each row with its own parameters and generator, stream the
    token, finish or keep each sequence.
+
+Isolation: every per-request part of a step (setting up its generator and text stream,
+prefetching, admission, the forward, sampling, stop strings and detokenizing) is guarded
+on its own. A request that fails there fails alone, once, and leaves the queue; the
+others' tokens are unaffected. A cancelled request leaves at the next step.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,9 +38,15 @@ from kvtier.engine.request import RequestHandle, TokenEvent
 from kvtier.engine.sampling import TextStream, make_generator, sample
 from kvtier.hf import TieredCache
 from kvtier.kv.chunk import ChunkRef
+from kvtier.tiers import ChunkLostError
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Times one sequence may resume after losing KV from every tier before it fails.
+_MAX_RECOVERIES = 3
 
 
 @dataclass(eq=False)
@@ -59,6 +71,7 @@ class _Sequence:
     prefetched: bool = False
     decoding: bool = False
     suspect: bool = False  # was in a step that failed: runs alone until a step succeeds
+    recoveries: int = 0  # resumed after its KV was lost from every tier (recomputed)
     pieces: deque[tuple[int, int]] = field(default_factory=deque)  # prefill [start, stop)
 
 
@@ -94,6 +107,7 @@ class BatchScheduler:
 
     def step(self) -> None:
         """One scheduling step: schedule, then one forward of every running sequence."""
+        self._drop_cancelled()
         self._schedule()
         if self.running:
             self._run(self._pieces())
@@ -143,12 +157,23 @@ class BatchScheduler:
 
     # ---- schedule --------------------------------------------------------------------------
 
+    def _drop_cancelled(self) -> None:
+        """End the running and preempted sequences whose client cancelled (or went away)."""
+        for seq in [s for s in self.running if s.handle.cancelled]:
+            self._drop(seq)
+            self._finish_cancelled(seq)
+        for seq in [s for s in self.preempted if s.handle.cancelled]:
+            self.preempted.remove(seq)
+            self._finish_cancelled(seq)
+        self._sync_counts()
+
     def _schedule(self) -> None:
         engine = self.engine
         with engine._cond:
             queued = list(engine._queue)
         for handle in queued[: 2 * self.max_running]:
-            self._prefetch(self._sequence_of(handle))
+            if (seq := self._sequence_of(handle)) is not None:
+                self._prefetch(seq)
         for resuming in self.preempted:
             self._prefetch(resuming)
         while True:
@@ -166,22 +191,36 @@ class BatchScheduler:
             self._take(seq)
             self._admit(seq)
 
-    def _sequence_of(self, handle: RequestHandle) -> _Sequence:
+    def _sequence_of(self, handle: RequestHandle) -> _Sequence | None:
+        """The scheduler's state of a queued request, set up on first sight; None when the
+        set-up failed (the request then failed and left the queue)."""
         seq = self._known.get(handle)
         if seq is None:
             request = handle.request
             params = request.params
-            generator = None if params.greedy else make_generator(params.seed)
-            text = TextStream(self.engine.tokenizer, params.stop, request.prompt_ids)
+            try:
+                generator = None if params.greedy else make_generator(params.seed)
+                text = TextStream(self.engine.tokenizer, params.stop, request.prompt_ids)
+            except Exception as exc:
+                with self.engine._cond:
+                    self.engine._queue.remove(handle)
+                self.engine._count("failed")
+                handle.fail(exc)
+                self._sync_counts()
+                return None
             seq = _Sequence(handle, list(request.prompt_ids), text, generator, request.arrival_s)
             self._known[handle] = seq
         return seq
 
     def _oldest_waiting(self) -> _Sequence | None:
         engine = self.engine
-        with engine._cond:
-            head = engine._queue[0] if engine._queue else None
-        fresh = self._sequence_of(head) if head is not None else None
+        fresh: _Sequence | None = None
+        while fresh is None:
+            with engine._cond:
+                head = engine._queue[0] if engine._queue else None
+            if head is None:
+                break
+            fresh = self._sequence_of(head)  # None: it failed and left; look again
         resumed = self.preempted[0] if self.preempted else None
         if fresh is None or resumed is None or resumed.suspect:
             return resumed or fresh
@@ -228,7 +267,9 @@ class BatchScheduler:
         return True
 
     def _prefetch(self, seq: _Sequence) -> None:
-        """Start moving the cached chunks of a waiting sequence's prefix disk → host."""
+        """Start moving the cached chunks of a waiting sequence's prefix disk → host.
+
+        Only a hint: a failure here is logged and admission looks the prefix up again."""
         if seq.prefetched:
             return
         seq.prefetched = True
@@ -236,22 +277,28 @@ class BatchScheduler:
         if manager.disk is None:
             return
         limit = ((len(seq.ids) - 1) // self.chunk_tokens) * self.chunk_tokens
-        refs: list[ChunkRef] = []
-        for ref in manager.refs_for(seq.ids[:limit]):
-            if manager.locate(ref) is None:
-                break
-            refs.append(ref)
-        todo = [r for r in refs if not manager.host.contains(r)]
-        if todo and manager.prefetch_to_host(todo) is not None:
-            self.engine._count("prefetched_chunks", len(todo))
+        try:
+            refs: list[ChunkRef] = []
+            for ref in manager.refs_for(seq.ids[:limit], seq.handle.request.cache_salt):
+                if manager.locate(ref) is None:
+                    break
+                refs.append(ref)
+            todo = [r for r in refs if not manager.host.contains(r)]
+            if todo and manager.prefetch_to_host(todo) is not None:
+                self.engine._count("prefetched_chunks", len(todo))
+        except Exception:
+            log.exception(
+                "prefetch for request %s failed; it loads on admission", seq.handle.request_id
+            )
 
     def _admit(self, seq: _Sequence) -> None:
         engine = self.engine
         cache = self.idle.pop()
         first = seq.admissions == 0
-        tiers = engine._prefix_tiers(seq.ids) if first else []
+        salt = seq.handle.request.cache_salt
         try:
-            reused = cache.reuse_prefix(torch.tensor([seq.ids], dtype=torch.long))
+            tiers = engine._prefix_tiers(seq.ids, salt) if first else []
+            reused = cache.reuse_prefix(torch.tensor([seq.ids], dtype=torch.long), salt)
         except Exception as exc:
             self._discard(cache)
             self._fail(seq, exc)
@@ -309,7 +356,11 @@ class BatchScheduler:
         logits = out.logits[0]  # [len(logit_rows), V]
         for i, seq in enumerate(sampled):
             seq.decoding = True
-            self._postprocess(seq, logits[i])
+            try:
+                self._postprocess(seq, logits[i])
+            except Exception as exc:  # sampling or detokenizing this request: it alone fails
+                self._drop(seq)
+                self._fail(seq, exc)
 
     def _step_failed(self, seqs: list[_Sequence], exc: Exception) -> None:
         """A forward raised. Alone, its sequence fails. Packed with others, which one
@@ -322,14 +373,28 @@ class BatchScheduler:
                 self._discard(seq.cache)  # its state is unknown after the error
                 seq.cache = None
         if len(seqs) == 1:
-            self._fail(seqs[0], exc)
+            seq = seqs[0]
+            if isinstance(exc, ChunkLostError) and seq.recoveries < _MAX_RECOVERIES:
+                # Storage lost some of its KV (corrupt, or evicted from every tier): resume
+                # it, recomputing from the last chunk still held.
+                seq.recoveries += 1
+                self._requeue(seq, suspect=False)
+                self.engine._count("recovered_sequences")
+                self._sync_counts()
+                return
+            self._fail(seq, exc)
             return
         for seq in reversed(seqs):
-            seq.suspect, seq.decoding, seq.prefetched = True, False, False
-            seq.pieces.clear()
-            self.preempted.appendleft(seq)
+            self._requeue(seq, suspect=True)
         self.engine._count("isolated_failures")
         self._sync_counts()
+
+    def _requeue(self, seq: _Sequence, suspect: bool) -> None:
+        """Send a sequence whose cache was dropped back to wait, first in line; it resumes
+        through ``reuse_prefix`` from the chunks the tiers still hold."""
+        seq.suspect, seq.decoding, seq.prefetched = suspect, False, False
+        seq.pieces.clear()
+        self.preempted.appendleft(seq)
 
     # ---- postprocess -----------------------------------------------------------------------
 
@@ -343,11 +408,16 @@ class BatchScheduler:
         seq.generated += 1
         seq.ids.append(token)
         if reason is not None:
+            self._drop(seq)
+
+    def _drop(self, seq: _Sequence) -> None:
+        """Take a running sequence out of the batch and keep its cache for the next one."""
+        if seq in self.running:
             self.running.remove(seq)
-            assert seq.cache is not None
+        if seq.cache is not None:
             self._release(seq.cache)
             seq.cache = None
-            self._sync_counts()
+        self._sync_counts()
 
     def _release(self, cache: TieredCache) -> None:
         """Keep a finished sequence's cache for the next one, its device tier emptied.

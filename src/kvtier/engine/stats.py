@@ -122,6 +122,8 @@ class EngineStats:
             they waited.
         isolated_failures: forwards of several sequences that raised; each of their
             sequences retried alone, so only one that fails on its own fails.
+        recovered_sequences: sequences that lost KV from every tier mid-generation
+            (corrupt or evicted) and resumed by recomputing it.
     """
 
     requests_submitted: int
@@ -145,6 +147,7 @@ class EngineStats:
     preemptions: int = 0
     prefetched_chunks: int = 0
     isolated_failures: int = 0
+    recovered_sequences: int = 0
 
     @property
     def mean_decode_batch(self) -> float:

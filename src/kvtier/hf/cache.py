@@ -283,6 +283,7 @@ class TieredCache(SelfManagedCache):
         self.seq_len = 0
         self.reused_tokens = 0
         self.sealed_chunks = 0
+        self.salt = ""  # the tenant salt of the chunks this cache seals (see reuse_prefix)
         self.refs: list[list[ChunkRef]] = []
         self.token_ids = torch.empty(0, 0, dtype=torch.int64)  # [B, seq_len], -1 = unknown
         self.valid = torch.empty(0, 0, dtype=torch.bool)  # [B, seq_len], False = padding
@@ -385,15 +386,18 @@ class TieredCache(SelfManagedCache):
         self.refs = []
         self.token_ids = torch.empty(0, 0, dtype=torch.int64)
         self.valid = torch.empty(0, 0, dtype=torch.bool)
+        self.salt = ""
 
     # ---- kvtier API ---------------------------------------------------------------------
 
-    def reuse_prefix(self, input_ids: torch.Tensor) -> int:
+    def reuse_prefix(self, input_ids: torch.Tensor, salt: str = "") -> int:
         """Adopt the longest cached prefix of a prompt from any tier; returns its tokens.
 
         Call on an empty cache before generating. At least one prompt token is left to
         compute (the model needs it for the next-token logits). Only whole chunks are reused;
-        all rows must share the reused prefix (in practice: one row).
+        all rows must share the reused prefix (in practice: one row). ``salt`` is the
+        tenant's: only chunks keyed under it are adopted, and the chunks this cache seals
+        until ``reset`` are keyed under it too.
 
         Storage faults cost recompute, never an error: disk chunks are promoted to host
         first (blocking), and only the leading run that host then holds is adopted; the
@@ -407,7 +411,8 @@ class TieredCache(SelfManagedCache):
             ids = ids.unsqueeze(0)
         size = self.layout.chunk_tokens
         limit = ((ids.shape[1] - 1) // size) * size
-        hits = [self.manager.lookup(row[:limit]) for row in ids]
+        self.salt = salt
+        hits = [self.manager.lookup(row[:limit], salt) for row in ids]
         hit_chunks = min(len(h.refs) for h in hits)
         if hit_chunks == 0:
             return 0
@@ -713,7 +718,7 @@ class TieredCache(SelfManagedCache):
             # no lookup can match.
             return ChunkRef(os.urandom(self.manager.hasher.digest_bytes), ())
         return ChunkRef.of(
-            self.manager.hasher.key(parent.key if parent else None, ids.numpy()), ids
+            self.manager.hasher.key(parent.key if parent else None, ids.numpy(), self.salt), ids
         )
 
     def _adopt_on_device(self) -> None:

@@ -64,26 +64,36 @@ class KeyHasher:
     def chunk_tokens(self) -> int:
         return self.namespace.layout.chunk_tokens
 
+    def root_for(self, salt: str = "") -> ChunkKey:
+        """The root key of a tenant's chains: the namespace's, or one derived from it and
+        the request's ``salt`` (so no two salts ever share a key)."""
+        if not salt:
+            return self.root
+        return self._hash(self.root, b"|salt|", salt.encode("utf-8", "surrogatepass"))
+
     def _hash(self, *parts: bytes) -> ChunkKey:
         h = hashlib.blake2b(digest_size=self.digest_bytes)
         for part in parts:
             h.update(part)
         return h.digest()
 
-    def key(self, parent: ChunkKey | None, token_ids: Sequence[int] | np.ndarray) -> ChunkKey:
+    def key(
+        self, parent: ChunkKey | None, token_ids: Sequence[int] | np.ndarray, salt: str = ""
+    ) -> ChunkKey:
         """The key of a chunk holding ``token_ids`` after the chunk keyed ``parent``.
 
-        ``parent=None`` means the chunk starts the sequence.
+        ``parent=None`` means the chunk starts the sequence (under ``salt``'s root).
         """
         ids = np.asarray(token_ids, dtype=np.int64)
-        return self._hash(self.root if parent is None else parent, ids.tobytes())
+        return self._hash(self.root_for(salt) if parent is None else parent, ids.tobytes())
 
-    def chain(self, token_ids: Sequence[int] | np.ndarray) -> list[ChunkKey]:
-        """Keys of every *full* chunk of ``token_ids`` (a trailing partial chunk has none)."""
+    def chain(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> list[ChunkKey]:
+        """Keys of every *full* chunk of ``token_ids`` (a trailing partial chunk has none),
+        chained from ``salt``'s root."""
         ids = np.asarray(token_ids, dtype=np.int64)
         keys: list[ChunkKey] = []
-        parent: ChunkKey | None = None
+        parent = self.root_for(salt)
         for start in range(0, len(ids) - self.chunk_tokens + 1, self.chunk_tokens):
-            parent = self.key(parent, ids[start : start + self.chunk_tokens])
+            parent = self._hash(parent, ids[start : start + self.chunk_tokens].tobytes())
             keys.append(parent)
         return keys

@@ -2,9 +2,14 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream=true`` sends
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``), ``GET
-/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). With an API key, every
-``/v1`` route needs ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open
-for probes and scrapers.
+/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). With API keys, every
+``/v1`` route (and ``/metrics`` when configured) needs ``Authorization: Bearer <key>``;
+``/health`` stays open for probes.
+
+Before any work, a request is checked in this order: body size (413, unread), key (401),
+JSON shape and every field's range (400 naming the field), prompt length in characters
+(400); only then is a text prompt tokenized, off the event loop. A client that goes away
+cancels its request, streaming or not, within one engine step.
 
 The app does not own the engine: whoever created the engine closes it (``kvtier serve``
 does so after uvicorn has stopped, draining in-flight requests).
@@ -12,23 +17,25 @@ does so after uvicorn has stopped, draining in-flight requests).
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvtier import __version__
-from kvtier.engine import Completion, Engine, FinishReason, RequestHandle
+from kvtier.engine import Completion, Engine, FinishReason, ParamError, RequestHandle
 from kvtier.server import errors
-from kvtier.server.errors import APIError, error_response
+from kvtier.server.config import ServerConfig
+from kvtier.server.errors import APIError
+from kvtier.server.guard import TENANT_SCOPE_KEY, APIKeyMiddleware, BodyLimitMiddleware
 from kvtier.server.metrics import registry_for
+from kvtier.server.openapi import install_openapi
 from kvtier.server.protocol import (
     DEFAULT_COMPLETION_TOKENS,
     ChatCompletionRequest,
@@ -45,20 +52,24 @@ from kvtier.server.protocol import (
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: Engine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` under the model name ``model_name``.
 
     Args:
         engine: the engine (started; the caller closes it).
         model_name: the ``model`` value clients must send, listed by ``/v1/models``.
-        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+        config: keys, tenants and input limits (default: no key, default limits).
     """
+    config = config or ServerConfig()
     app = FastAPI(title="kvtier", version=__version__, docs_url=None, redoc_url=None)
     errors.install(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    install_openapi(app, api_key=bool(config.api_keys), metrics_need_key=config.metrics_need_key)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, config=config)  # outermost: 401 before 413
     registry = registry_for(engine)
     created = int(time.time())
+    max_chars = config.prompt_chars_limit(engine.max_model_len)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -70,8 +81,24 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 "model_not_found",
             )
 
+    def check_chars(param: str, chars: int) -> None:
+        if chars > max_chars:
+            raise ParamError(
+                param,
+                f"the prompt has {chars} characters, more than this server tokenizes "
+                f"({max_chars}; see kvtier serve --max-prompt-chars)",
+            )
+
+    def salt_of(request: Request, cache_salt: str | None) -> str:
+        """The request's tenant: its key's (when salting by key) and its own salt."""
+        parts = (request.scope.get(TENANT_SCOPE_KEY, ""), cache_salt or "")
+        return "|".join(parts) if any(parts) else ""
+
     @app.get("/health")
     async def health() -> JSONResponse:
+        dead = engine.dead_reason
+        if dead is not None:
+            return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
         if engine.closed:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -92,13 +119,19 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        body.check()
         prompt = body.single_prompt()
-        ids = engine.encode(prompt) if isinstance(prompt, str) else prompt
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        params = body.params(max_tokens)
+        if isinstance(prompt, str):
+            check_chars("prompt", len(prompt))
+            ids = await asyncio.to_thread(engine.encode, prompt)
+        else:
+            ids = prompt
         request_id = new_id("cmpl")
-        handle = engine.submit(ids, body.params(max_tokens), request_id)
+        handle = engine.submit(ids, params, request_id, salt_of(request, body.cache_salt))
         if body.stream:
 
             def chunk(text: str, reason: FinishReason | None) -> dict[str, Any]:
@@ -107,17 +140,23 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             usage = (model_name, "text_completion") if body.include_usage else None
             events = _stream(handle, chunk, None, usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(completion_body(request_id, model_name, await _collect(handle)))
+        completion = await _collect_while_connected(handle, request)
+        return JSONResponse(completion_body(request_id, model_name, completion))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        ids = engine.encode_chat([m.as_template_message() for m in body.messages])
+        body.check()
+        body.params(1)  # every field checked before the prompt is tokenized
+        messages = [m.as_template_message() for m in body.messages]
+        check_chars("messages", sum(len(m["content"]) for m in messages))
+        ids = await asyncio.to_thread(engine.encode_chat, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:  # OpenAI's default: the rest of the context
             max_tokens = max(1, engine.max_model_len - len(ids))
         request_id = new_id("chatcmpl")
-        handle = engine.submit(ids, body.params(max_tokens), request_id)
+        params = body.params(max_tokens)
+        handle = engine.submit(ids, params, request_id, salt_of(request, body.cache_salt))
         if body.stream:
 
             def chunk(text: str, reason: FinishReason | None) -> dict[str, Any]:
@@ -128,9 +167,36 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             usage = (model_name, "chat.completion.chunk") if body.include_usage else None
             events = _stream(handle, chunk, first, usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(chat_body(request_id, model_name, await _collect(handle)))
+        completion = await _collect_while_connected(handle, request)
+        return JSONResponse(chat_body(request_id, model_name, completion))
 
     return app
+
+
+async def _collect_while_connected(handle: RequestHandle, request: Request) -> Completion:
+    """Wait for a request to finish; cancel it if the client disconnects first.
+
+    Raises:
+        APIError: the engine failed this request (500), or the client went away (499, a
+            response nobody receives).
+    """
+    collect = asyncio.ensure_future(_collect(handle))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if collect.done():
+        return collect.result()
+    handle.cancel()  # the engine ends it at its next step
+    collect.cancel()
+    raise APIError(499, "the client closed the connection", None, "client_closed_request")
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _collect(handle: RequestHandle) -> Completion:
@@ -194,25 +260,3 @@ async def _stream(
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class APIKeyMiddleware:
-    """Rejects ``/v1`` requests without ``Authorization: Bearer <api_key>`` (401)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = (
-                    "missing or invalid API key; send it as 'Authorization: Bearer <key>'"
-                    if given
-                    else "this server needs an API key: send 'Authorization: Bearer <key>'"
-                )
-                response = error_response(401, message, None, "invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

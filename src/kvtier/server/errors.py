@@ -21,6 +21,8 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    499: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -71,7 +73,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(429, str(exc), None, "queue_full")
+        response = error_response(429, str(exc), None, "queue_full")
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     @app.exception_handler(EngineClosedError)
     async def closed(request: Request, exc: EngineClosedError) -> JSONResponse:
@@ -91,7 +95,9 @@ def install(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             detail = f"no route {request.method} {request.url.path}; see /v1/models"
-        return error_response(exc.status_code, detail)
+        response = error_response(exc.status_code, detail)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
 
 def describe_validation_error(errors: Any) -> tuple[str, str | None]:

@@ -2,7 +2,10 @@
 
 SIGINT/SIGTERM stop the server gracefully: uvicorn stops accepting connections and waits
 for in-flight responses, then the engine drains its queue and, with ``--disk-dir``, writes
-the host tier to disk, so a restart on the same directory finds the sessions' KV.
+the host tier to disk, so a restart on the same directory finds the sessions' KV. The
+drain lasts at most ``--drain-timeout`` seconds; what is left then is cancelled. If the
+engine's worker dies, ``/health`` answers 503 and the process exits with status 1, so a
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -11,14 +14,26 @@ import argparse
 import signal
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvtier.config import DiskConfig, HostConfig, ManagerConfig, MiB, TieredCacheConfig
+from kvtier.config import (
+    WRITE_POLICIES,
+    DiskConfig,
+    HostConfig,
+    ManagerConfig,
+    MiB,
+    TieredCacheConfig,
+)
+from kvtier.server.config import KEYS_ENV, ServerConfig, read_api_keys
 
 if TYPE_CHECKING:
-    from kvtier.engine import EngineConfig
+    import uvicorn
+
+    from kvtier.engine import Engine, EngineConfig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,7 +44,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accept 'Authorization: Bearer KEY' (repeatable; visible in ps: prefer "
+        f"--api-key-file or ${KEYS_ENV})",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        help=f"a file of accepted keys, one per line (repeatable); ${KEYS_ENV} adds more",
+    )
+    parser.add_argument(
+        "--salt-by-key",
+        action="store_true",
+        help="each API key is its own tenant: KV is never reused across keys",
+    )
+    parser.add_argument(
+        "--metrics-need-key", action="store_true", help="/metrics needs an API key too"
+    )
+    parser.add_argument(
+        "--max-body-mb", type=float, default=8, help="largest request body accepted (413 above)"
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longest text prompt accepted, before tokenizing (default: 64 per context token)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests before cancelling them",
+    )
     parser.add_argument("--max-queued", type=int, default=64, help="waiting requests; then 429")
     parser.add_argument(
         "--device-budget-mb", type=int, default=128, help="device KV budget per sequence"
@@ -53,6 +103,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-mb", type=int, default=1024, help="host DRAM tier size")
     parser.add_argument("--disk-dir", default=None, help="keep KV on disk here (survives restarts)")
     parser.add_argument("--disk-mb", type=int, default=32 * 1024, help="disk tier size")
+    parser.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_back",
+        help="write_through: sealed chunks go to disk as they seal (survives kill -9); "
+        "write_back: only on eviction or shutdown",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per KV chunk")
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     return parser.parse_args(argv)
@@ -83,9 +140,29 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=TieredCacheConfig(device_budget_bytes=args.device_budget_mb * MiB),
         manager=ManagerConfig(
             chunk_tokens=args.chunk_tokens,
+            write_policy=args.write_policy,
             host=HostConfig(capacity_bytes=args.host_mb * MiB),
             disk=DiskConfig(path=args.disk_dir, capacity_bytes=args.disk_mb * MiB),
         ),
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """Map the flags (and ``$KVTIER_API_KEYS``) onto the server's config."""
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout: must be >= 0 seconds, got {args.drain_timeout}")
+    if not args.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb: must be > 0, got {args.max_body_mb}")
+    keys = read_api_keys(args.api_key, args.api_key_file)
+    if (args.salt_by_key or args.metrics_need_key) and not keys:
+        flag = "--salt-by-key" if args.salt_by_key else "--metrics-need-key"
+        raise ValueError(f"{flag}: needs API keys (--api-key-file or ${KEYS_ENV})")
+    return ServerConfig(
+        api_keys=keys,
+        salt_by_key=args.salt_by_key,
+        metrics_need_key=args.metrics_need_key,
+        max_body_bytes=int(args.max_body_mb * MiB),
+        max_prompt_chars=args.max_prompt_chars,
     )
 
 
@@ -109,6 +186,9 @@ def listen(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # before the heavy imports, so --help and bad flags are quick
     config = engine_config(args)
+    served = server_config(args)
+    if args.api_key:
+        say("warning: --api-key is visible to every user in ps; prefer --api-key-file")
     sock = listen(args.host, args.port)
     import uvicorn
 
@@ -119,25 +199,44 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    status = 0
     try:
         say(f"loading {args.model or 'the embedded model'}…")
         engine = Engine.from_pretrained(args.model, config)
         name = args.served_model_name or _default_name(args.model)
-        app = create_app(engine, name, api_key=args.api_key)
+        app = create_app(engine, name, served)
         say(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level=args.log_level,
+                timeout_graceful_shutdown=max(1, round(args.drain_timeout)),
+            )
+        )
+        watchdog = _Watchdog(engine, server)
         # uvicorn handles SIGINT/SIGTERM itself (stop accepting, finish open responses) and
         # then re-raises the signal with the handlers it found; these make that re-raise a
         # no-op, so the engine still drains and flushes below instead of the process dying.
         previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+        stopped = False
+        drain_from = time.monotonic()
         try:
             server.run(sockets=[sock])
+            drain_from = watchdog.stop_requested_s or time.monotonic()
         finally:
+            watchdog.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)  # a second Ctrl-C now interrupts the drain
             flush = " and writing KV to disk" if args.disk_dir else ""
             say(f"draining in-flight requests{flush}")
-            engine.close(drain=True)
+            left = max(0.0, args.drain_timeout - (time.monotonic() - drain_from))
+            stopped = engine.close(drain=True, timeout_s=left)
+        if watchdog.dead is not None:
+            say(f"error: the engine's worker died ({watchdog.dead}); exiting for a restart")
+            status = 1
+        elif not stopped:
+            say("error: a request was still inside a model step after the drain timeout")
+            status = 1
     finally:
         sock.close()
     stats = engine.stats()
@@ -145,7 +244,34 @@ def main(argv: list[str] | None = None) -> int:
         f"stopped after {stats.requests_finished} requests; {stats.reused_tokens} of "
         f"{stats.prompt_tokens} prompt tokens reused"
     )
-    return 0
+    return status
+
+
+class _Watchdog:
+    """Stops the server when the engine's worker dies (``dead`` says why), and notes when
+    a signal asked uvicorn to stop (the drain timeout counts from then)."""
+
+    def __init__(self, engine: Engine, server: uvicorn.Server) -> None:
+        self.engine = engine
+        self.server = server
+        self.dead: str | None = None
+        self.stop_requested_s: float | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvtier-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(0.2):
+            if self.stop_requested_s is None and self.server.should_exit:
+                self.stop_requested_s = time.monotonic()
+            dead = self.engine.dead_reason
+            if dead is not None and self.dead is None:
+                self.dead = dead
+                self.server.should_exit = True
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 def _ignore(sig: int, frame: FrameType | None) -> None:

@@ -22,12 +22,15 @@ from kvtier.engine import Engine, EngineStats, HistogramSnapshot
 from kvtier.tiers.base import TierStats
 from kvtier.transfer import LinkStats
 
-_TIER_COUNTERS = (
-    ("hits", "chunk reads served"),
-    ("misses", "chunk reads not found"),
-    ("bytes_in", "bytes written into the tier"),
-    ("bytes_out", "bytes read out of the tier"),
-    ("evictions", "chunks evicted"),
+_TIER_COUNTERS = (  # (metric name after kvtier_tier_, TierStats field, help)
+    ("hits", "hits", "chunk reads served"),
+    ("misses", "misses", "chunk reads not found"),
+    ("bytes_in", "bytes_in", "bytes written into the tier"),
+    ("bytes_out", "bytes_out", "bytes read out of the tier"),
+    ("evictions", "evictions", "chunks evicted"),
+    ("corrupt_chunks", "corrupt_dropped", "chunks dropped because their bytes failed checks"),
+    ("io_errors", "io_errors", "failed I/O calls"),
+    ("writes_skipped", "writes_skipped", "chunks not written because writes are disabled"),
 )
 
 
@@ -47,11 +50,22 @@ class EngineCollector(Collector):
         if stats.manager is not None:
             tiers.update(stats.manager.tiers)
             links.update(stats.manager.links)
-        for attr, doc in _TIER_COUNTERS:
-            family = CounterMetricFamily(f"kvtier_tier_{attr}", f"KV tier: {doc}", labels=["tier"])
+        for metric, attr, doc in _TIER_COUNTERS:
+            family = CounterMetricFamily(
+                f"kvtier_tier_{metric}", f"KV tier: {doc}", labels=["tier"]
+            )
             for name, tier in tiers.items():
                 family.add_metric([name], getattr(tier, attr))
             yield family
+        disabled = GaugeMetricFamily(
+            "kvtier_tier_writes_disabled",
+            "1 while an I/O error keeps the tier off",
+            labels=["tier"],
+        )
+        for name, tier in tiers.items():
+            disabled.add_metric([name], tier.writes_disabled)
+        yield disabled
+        yield from self._faults(stats)
         yield from self._occupancy(stats)
         link_bytes = CounterMetricFamily("kvtier_link_bytes", "bytes moved", labels=["link"])
         gbps = GaugeMetricFamily("kvtier_link_gbps", "achieved GB/s while busy", labels=["link"])
@@ -92,6 +106,25 @@ class EngineCollector(Collector):
             yield _histogram(
                 "kvtier_inter_token_latency_seconds", "gap between tokens", stats.inter_token
             )
+
+    def _faults(self, stats: EngineStats) -> Iterator[Metric]:
+        """Recompute caused by storage faults, and write-through copies dropped."""
+        recomputed = CounterMetricFamily(
+            "kvtier_recomputed_chunks",
+            "cached chunks recomputed instead (corrupt: failed checks; missing: gone)",
+            labels=["cause"],
+        )
+        dropped = 0
+        if stats.manager is not None:
+            for cause, value in stats.manager.recomputed_chunks_by_cause.items():
+                recomputed.add_metric([cause], value)
+            dropped = stats.manager.write_through_dropped
+        yield recomputed
+        yield CounterMetricFamily(
+            "kvtier_write_through_dropped_chunks",
+            "sealed chunks whose write-through disk copy was dropped (link full or disk off)",
+            dropped,
+        )
 
     def _occupancy(self, stats: EngineStats) -> Iterator[Metric]:
         used = GaugeMetricFamily("kvtier_tier_used_bytes", "bytes held", labels=["tier"])

@@ -1,8 +1,12 @@
 """The OpenAI wire format: request models (validated strictly) and response bodies.
 
 Field names follow OpenAI's API. Types are strict (``"5"`` is not a number), fields this
-server does not know are ignored, and known fields outside their range are rejected with
-the field's name. Extensions: ``top_k`` and ``ignore_eos``.
+server does not know are ignored, known fields outside their range are rejected with the
+field's name, and known fields whose feature this server lacks (``logprobs``, ``echo``,
+penalties, ``logit_bias``…) are refused when set, never silently ignored. Strings must be
+valid Unicode (a lone surrogate such as ``"\ud800"`` is refused). Extensions: ``top_k``,
+``ignore_eos`` and ``cache_salt`` (vLLM's name: requests reuse KV only from requests with
+the same salt).
 """
 
 from __future__ import annotations
@@ -24,6 +28,17 @@ EXPECTED = {
 
 # OpenAI's default for /v1/completions; chat completions default to the rest of the context.
 DEFAULT_COMPLETION_TOKENS = 16
+MAX_SALT_CHARS = 256
+
+
+def check_text(param: str, text: str) -> None:
+    """Refuse a string that is not valid Unicode (a lone surrogate from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(
+            param, f"is not valid Unicode (a lone surrogate at character {exc.start})"
+        ) from None
 
 
 class _Strict(BaseModel):
@@ -48,6 +63,41 @@ class _Sampling(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+    # Known OpenAI fields this server does not implement: refused when set (see check).
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def check(self) -> None:
+        """Checks pydantic cannot express; ``ParamError`` names the field."""
+        for name, value, default in (
+            ("echo", self.echo, False),
+            ("best_of", self.best_of, 1),
+            ("suffix", self.suffix, ""),
+            ("logit_bias", self.logit_bias, {}),
+            ("presence_penalty", self.presence_penalty, 0),
+            ("frequency_penalty", self.frequency_penalty, 0),
+        ):
+            if value is not None and value != default:
+                raise ParamError(
+                    name, f"is not supported by this server (send {default!r} or omit it)"
+                )
+        if self.cache_salt is not None:
+            check_text("cache_salt", self.cache_salt)
+            if not 0 < len(self.cache_salt) <= MAX_SALT_CHARS:
+                raise ParamError(
+                    "cache_salt", f"must be 1 to {MAX_SALT_CHARS} characters, or omitted"
+                )
+        if self.user is not None:
+            check_text("user", self.user)
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for i, stop in enumerate(stops):
+            check_text(f"stop[{i}]" if isinstance(self.stop, list) else "stop", stop)
 
     def params(self, max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters; ``ParamError`` names a field out of range."""
@@ -73,6 +123,16 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``; one prompt (a one-element list is accepted)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs is not None:
+            raise ParamError("logprobs", "is not supported by this server yet; omit it")
+        prompt = self.prompt
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+        for text in texts:
+            check_text("prompt", text)
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -92,6 +152,12 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
+    def texts(self) -> list[str]:
+        content = self.content
+        if isinstance(content, list):
+            return [p.text for p in content]
+        return [content] if content else []
+
     def as_template_message(self) -> dict[str, str]:
         content = self.content
         text = "".join(p.text for p in content) if isinstance(content, list) else content or ""
@@ -104,6 +170,18 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs:
+            raise ParamError("logprobs", "is not supported by this server yet; omit it")
+        if self.top_logprobs is not None:
+            raise ParamError("top_logprobs", "is not supported by this server yet; omit it")
+        for i, message in enumerate(self.messages):
+            for text in message.texts():
+                check_text(f"messages[{i}].content", text)
 
 
 def new_id(prefix: str) -> str:
