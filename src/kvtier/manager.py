@@ -47,8 +47,9 @@ from kvtier.transfer import CopyStep, Link, LinkStats, Throttle, TransferHandle
 log = logging.getLogger(__name__)
 
 RECOMPUTE_CAUSES = ("corrupt", "missing")
-"""Why a chunk found by a lookup was recomputed: its stored bytes failed their checks, or
-it was gone (evicted, never landed, unreadable) by the time it was needed."""
+"""Why a cached chunk (found by a lookup, or sealed by a running sequence) is recomputed:
+its stored bytes failed their checks when it was promoted (counted there, once per chunk),
+or it was in no tier when needed (counted by the cache that needed it)."""
 
 
 @dataclass(frozen=True)
@@ -306,9 +307,8 @@ class KVManager:
                 self._write_through_dropped += num_chunks
 
     def count_recompute(self, cause: str, num_chunks: int = 1) -> None:
-        """Record that ``num_chunks`` chunks a lookup had found are recomputed instead.
-
-        Called by the caches that find them unreadable. Thread-safe.
+        """Record that ``num_chunks`` cached chunks are recomputed instead (see
+        ``RECOMPUTE_CAUSES``). Mutates the stats only; thread-safe.
 
         Raises:
             ValueError: ``cause`` is not one of ``RECOMPUTE_CAUSES``.
@@ -482,7 +482,10 @@ class _DiskWriteDown:
     def __call__(self, victim: Chunk) -> None:
         manager, disk, link = self.manager, self.manager.disk, self.manager.host_disk_link
         assert disk is not None and link is not None
-        if manager._on_disk(victim.ref) or disk.writes_disabled:
+        if manager._on_disk(victim.ref):
+            return
+        if disk.writes_disabled:
+            disk.put([victim])  # skips it, counted in the disk's writes_skipped
             return
         spare = manager._take_spare()
         if spare is not None:
@@ -580,7 +583,10 @@ class _Promote:
         staging = manager._staging
         held = manager._on_disk(self.ref)
         if not manager.disk.get_into([self.ref], [staging])[0]:
-            return "corrupt" if held else "missing"
+            if not held:
+                return "missing"
+            manager.count_recompute("corrupt")  # counted where found, whoever asked
+            return "corrupt"
         try:
             manager.host.put([Chunk(self.ref, staging)])
         except TierFullError:  # every host slot pinned: the caller recomputes it

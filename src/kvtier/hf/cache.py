@@ -401,7 +401,7 @@ class TieredCache(SelfManagedCache):
 
         Storage faults cost recompute, never an error: disk chunks are promoted to host
         first (blocking), and only the leading run that host then holds is adopted; the
-        rest of the prefix is recomputed, counted in the manager's
+        rest of the prefix is recomputed, and the chunks lost are counted in the manager's
         ``recomputed_chunks_by_cause`` (``"corrupt"`` or ``"missing"``).
         """
         if self.seq_len:
@@ -419,20 +419,19 @@ class TieredCache(SelfManagedCache):
         refs = [h.refs[:hit_chunks] for h in hits]
         self.host.count_reads(sum(h.by_tier.get("host", 0) for h in hits), 0)
         # Promote disk -> host, then adopt only the leading run that host now holds (pinned
-        # until it is on the device): a chunk found corrupt or gone, and every chunk after
-        # it, is recomputed instead, and counted by the cause of the first one lost.
+        # until it is on the device): from a chunk found corrupt or gone on, the prefix is
+        # recomputed. Corrupt chunks are counted where they are found (the promotion).
         held: list[ChunkRef] = []
-        adopted, cause = hit_chunks, "missing"
+        adopted = hit_chunks
         try:
             for row_refs in refs:
                 outcomes = self.manager.promote(row_refs[:adopted])
                 pinned = self.host.pin(row_refs[:adopted])
                 held += [r for r, ok in zip(row_refs, pinned, strict=False) if ok]
-                run = next((i for i, ok in enumerate(pinned) if not ok), adopted)
-                if run < adopted:
-                    adopted, cause = run, outcomes[run] if outcomes[run] != "host" else "missing"
-            if adopted < hit_chunks:
-                self.manager.count_recompute(cause, (hit_chunks - adopted) * len(refs))
+                gone = [not ok and o != "corrupt" for o, ok in zip(outcomes, pinned, strict=True)]
+                if any(gone):
+                    self.manager.count_recompute("missing", sum(gone))
+                adopted = next((i for i, ok in enumerate(pinned) if not ok), adopted)
             if adopted == 0:
                 return 0
             self._init_batch(ids.shape[0], self.device)
@@ -657,8 +656,7 @@ class TieredCache(SelfManagedCache):
 
         Raises:
             ChunkLostError: a chunk is in no tier (evicted, corrupt, unreadable); nothing
-                is left pinned, and the chunks a resume will recompute (from the first one
-                lost to the end of its row) are counted in the manager's stats.
+                is left pinned, and the chunks lost are counted in the manager's stats.
         """
         assert self.device_tier is not None
         streamed: list[tuple[int, int, int]] = []
@@ -690,8 +688,14 @@ class TieredCache(SelfManagedCache):
             return streamed
         self.device_tier.unpin(plan.device_pins)
         self.host.unpin(plan.host_pins)
-        for row, (chunk, cause) in lost.items():
-            self.manager.count_recompute(cause, len(self.refs[row]) - chunk)
+        gone = sum(
+            1
+            for row, (chunk, _) in lost.items()
+            for ref in self.refs[row][chunk:]
+            if outcomes.get(ref) != "corrupt" and self.manager.locate(ref) is None
+        )
+        if gone:  # (corrupt ones were counted where they were found)
+            self.manager.count_recompute("missing", gone)
         row, (chunk, cause) = next(iter(lost.items()))
         ref = self.refs[row][chunk]
         raise ChunkLostError(
