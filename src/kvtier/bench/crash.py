@@ -1,0 +1,233 @@
+"""Prompt KV reused after ``kill -9``: write-through vs write-back (``kvtier bench crash``).
+
+For each write policy: start ``kvtier serve`` on a fresh disk directory, send distinct
+prompts (no shared prefix, so every reused token comes from disk), wait ``--settle-s``,
+``SIGKILL`` the server, start it again on the same directory and send the prompts again.
+The figure is the fraction of cacheable prompt tokens (whole chunks, less the last token)
+that the restarted server reports as ``usage.prompt_tokens_details.cached_tokens``; the
+completions must be identical to the first run's. The disk is real (the local
+filesystem), fsync on (``kvtier serve``'s default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.common import base_parser, machine_info, print_machine, write_json
+
+POLICIES = ("write_through", "write_back")
+WORDS = [
+    "harbour",
+    "lantern",
+    "tide",
+    "gull",
+    "rope",
+    "anchor",
+    "storm",
+    "sail",
+    "keel",
+    "mast",
+    "reef",
+    "shore",
+    "wave",
+    "salt",
+    "net",
+    "cliff",
+    "beacon",
+    "island",
+    "current",
+    "drift",
+    "compass",
+    "chart",
+    "deck",
+    "hull",
+    "oar",
+    "pier",
+    "brine",
+    "fog",
+]
+
+
+def prompts(count: int, words: int, seed: int) -> list[str]:
+    """``count`` distinct prompts of ``words`` words each, sharing no leading chunk."""
+    rng = random.Random(seed)
+    return [f"Log {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serve(
+    model: str, disk: Path, port: int, policy: str, chunk_tokens: int, log: Path
+) -> subprocess.Popen[bytes]:
+    """``kvtier serve`` on ``disk`` with ``policy``; returns once /health answers."""
+    command = [sys.executable, "-m", "kvtier.cli", "serve", "--model", model]
+    command += ["--port", str(port), "--disk-dir", str(disk), "--write-policy", policy]
+    command += ["--chunk-tokens", str(chunk_tokens), "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as err:
+        process = subprocess.Popen(command, env=env, stdout=err, stderr=err)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+                if reply.status == 200:
+                    return process
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"kvtier serve did not start; see {log}:\n{log.read_text()}")
+        time.sleep(0.2)
+
+
+def served_model(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as reply:
+        return str(json.loads(reply.read())["data"][0]["id"])
+
+
+def complete(port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One greedy completion: its text and usage."""
+    model = served_model(port)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        answer = json.loads(reply.read())
+    usage = answer["usage"]
+    return {
+        "text": answer["choices"][0]["text"],
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+    }
+
+
+def run_policy(
+    model: str,
+    workdir: Path,
+    policy: str,
+    texts: list[str],
+    settle_s: float = 2.5,
+    max_tokens: int = 8,
+    chunk_tokens: int = 16,
+) -> dict[str, Any]:
+    """Serve ``texts``, wait ``settle_s``, kill -9, restart, serve them again."""
+    disk, log = workdir / f"kv-{policy}", workdir / f"serve-{policy}.log"
+    port = free_port()
+    first_server = serve(model, disk, port, policy, chunk_tokens, log)
+    try:
+        first = [complete(port, text, max_tokens) for text in texts]
+        time.sleep(settle_s)  # everything sealed is now older than settle_s
+    finally:
+        os.kill(first_server.pid, signal.SIGKILL)
+        first_server.wait()
+    second_server = serve(model, disk, port, policy, chunk_tokens, log)
+    try:
+        start = time.perf_counter()
+        again = [complete(port, text, max_tokens) for text in texts]
+        resend_s = time.perf_counter() - start
+    finally:
+        second_server.send_signal(signal.SIGTERM)
+        second_server.wait(timeout=120)
+    cacheable = sum(chunk_tokens * ((r["prompt_tokens"] - 1) // chunk_tokens) for r in first)
+    cached = sum(r["cached_tokens"] for r in again)
+    return {
+        "policy": policy,
+        "prompts": len(texts),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in first),
+        "cacheable_tokens": cacheable,
+        "cached_tokens_after_kill": cached,
+        "reused_fraction": cached / cacheable if cacheable else 0.0,
+        "outputs_identical": [r["text"] for r in first] == [r["text"] for r in again],
+        "resend_s": resend_s,
+    }
+
+
+def tiny_model_folder(folder: Path) -> str:
+    """A tiny random-weight llama with the embedded model's tokenizer, saved in ``folder``."""
+    from transformers import AutoTokenizer
+
+    from kvtier.models import converted_folder, embedded_gguf_path, load_model, random_model
+
+    source = converted_folder(embedded_gguf_path())
+    if (source / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    else:
+        tokenizer = load_model().tokenizer
+    random_model("llama", seed=0, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser("crash", __doc__.splitlines()[0] if __doc__ else "crash")
+    parser.add_argument(
+        "--model", default=None, help="model folder (default: a tiny random llama, built here)"
+    )
+    parser.add_argument("--prompts", type=int, default=None, help="distinct prompts (16; quick 4)")
+    parser.add_argument("--words", type=int, default=None, help="words per prompt (200; quick 80)")
+    parser.add_argument("--settle-s", type=float, default=2.5, help="wait before the kill")
+    parser.add_argument("--chunk-tokens", type=int, default=16)
+    parser.add_argument("--dir", type=Path, default=None, help="where the disk tiers write")
+    args = parser.parse_args(argv)
+    count = args.prompts or (4 if args.quick else 16)
+    words = args.words or (80 if args.quick else 200)
+    texts = prompts(count, words, args.seed)
+    info = machine_info({"host<->disk": "real (local disk, fsync on)"})
+    print_machine(info)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-crash-") as tmp:
+        workdir = Path(tmp)
+        model = args.model or tiny_model_folder(workdir / "tiny")
+        print(
+            f"model: {args.model or 'tiny random llama'}; {count} prompts of {words} words, "
+            f"chunk {args.chunk_tokens} tokens; kill -9 {args.settle_s} s after the last reply"
+        )
+        results = {p: run_policy(model, workdir, p, texts, args.settle_s, 8, args.chunk_tokens)
+                   for p in POLICIES}  # fmt: skip
+    print(f"{'policy':<15}{'cacheable':>10}{'reused':>8}{'fraction':>10}{'resend s':>10}  outputs")
+    for p, r in results.items():
+        print(
+            f"{p:<15}{r['cacheable_tokens']:>10}{r['cached_tokens_after_kill']:>8}"
+            f"{r['reused_fraction']:>10.1%}{r['resend_s']:>10.2f}  "
+            f"{'same' if r['outputs_identical'] else 'DIFFERENT'}"
+        )
+    summary = {f"reused_fraction_{p}": r["reused_fraction"] for p, r in results.items()}
+    summary["outputs_identical"] = all(r["outputs_identical"] for r in results.values())
+    write_json(
+        args.json,
+        {
+            "summary": summary,
+            "policies": results,
+            "machine": info,
+            "config": {"prompts": count, "words": words, "settle_s": args.settle_s},
+        },
+    )
+    print(
+        f"summary: after kill -9, {summary['reused_fraction_write_through']:.1%} of cacheable "
+        f"prompt tokens reused with write_through vs "
+        f"{summary['reused_fraction_write_back']:.1%} with write_back; outputs identical "
+        f"{summary['outputs_identical']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

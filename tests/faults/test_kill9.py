@@ -1,0 +1,26 @@
+"""``kvtier serve --write-policy write_through`` killed with SIGKILL: a restart on the same
+disk directory reuses the KV of every prompt sealed more than two seconds before the kill,
+and answers exactly as before (issue 8, item 5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.crash import prompts, run_policy
+from tests.engine.tiny import embedded_tokenizer, tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_write_through_survives_kill_9(tmp_path: Path) -> None:
+    tokenizer = embedded_tokenizer()
+    folder = tmp_path / "tiny"
+    tiny_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    texts = prompts(4, 60, seed=1)  # distinct: every reused token comes from disk
+    result = run_policy(str(folder), tmp_path, "write_through", texts, settle_s=2.5)
+    assert result["cacheable_tokens"] > 0
+    assert result["reused_fraction"] >= 0.95, result
+    assert result["outputs_identical"], result
