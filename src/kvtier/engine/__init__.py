@@ -16,6 +16,7 @@ from kvtier.engine.request import (
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    TokenLogprobs,
 )
 from kvtier.engine.stats import EngineStats, HistogramSnapshot
 
@@ -35,4 +36,5 @@ __all__ = [
     "RequestHandle",
     "SamplingParams",
     "TokenEvent",
+    "TokenLogprobs",
 ]

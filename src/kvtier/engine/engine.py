@@ -33,6 +33,7 @@ from kvtier.engine.request import (
     RequestHandle,
     SamplingParams,
     TokenEvent,
+    TokenLogprobs,
     as_prompt_ids,
 )
 from kvtier.engine.sampling import TextStream
@@ -164,6 +165,10 @@ class Engine:
             [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included (for log-probabilities)."""
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -391,7 +396,13 @@ class Engine:
                     scheduler.fail_all(exc)
 
     def _emit(
-        self, handle: RequestHandle, text: TextStream, step: int, token: int, last_s: float
+        self,
+        handle: RequestHandle,
+        text: TextStream,
+        step: int,
+        token: int,
+        last_s: float,
+        logprobs: TokenLogprobs | None = None,
     ) -> tuple[FinishReason | None, float]:
         """Stream the ``step``-th generated token; returns why it ended (None: it goes on)
         and the time it was emitted."""
@@ -412,7 +423,9 @@ class Engine:
         if reason is not None:  # counted before the caller can see the end
             self._count("cancelled" if reason == "cancelled" else "finished")
             self._observe_service(now - handle.request.arrival_s)
-        handle.put(TokenEvent(handle.request_id, token, delta, reason is not None, reason))
+        handle.put(
+            TokenEvent(handle.request_id, token, delta, reason is not None, reason, logprobs)
+        )
         return reason, now
 
     def _observe_service(self, seconds: float) -> None:

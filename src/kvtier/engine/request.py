@@ -23,6 +23,7 @@ MAX_TEMPERATURE = 2.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
 class ParamError(ValueError):
@@ -68,6 +69,9 @@ class SamplingParams:
         seed: seeds the request's own random generator, so sampling reproduces; None
             draws a fresh seed. Any integer the generator takes: ``[-2**63, 2**64 - 1]``.
         ignore_eos: keep generating past the tokenizer's end-of-sequence token.
+        logprobs: None: no log-probabilities; ``k`` (0 to 20): each generated token comes
+            with its log-probability and the ``k`` most likely tokens' (the model's
+            distribution: log-softmax of the raw logits, before temperature and filters).
 
     Every accepted value samples without error: ranges are checked here, before any work,
     and ``kvtier.engine.sampling.sample`` cannot underflow for any of them.
@@ -80,6 +84,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +115,14 @@ class SamplingParams:
         ):
             raise ParamError(
                 "seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {self.seed!r}"
+            )
+
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ParamError(
+                "logprobs",
+                f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}",
             )
 
     @property
@@ -152,6 +165,20 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability, and the most likely tokens' at its position.
+
+    Attributes:
+        logprob: natural log of the token's probability under the model.
+        top: ``(token id, logprob)`` of the most likely tokens, most likely first
+            (``SamplingParams.logprobs`` of them; may or may not include the token).
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token, or the end of a request.
 
@@ -165,6 +192,7 @@ class TokenEvent:
         finished: the last event of the request.
         finish_reason: ``stop`` (a stop string or the end-of-sequence token), ``length``
             (``max_tokens``) or ``cancelled``; None until finished.
+        logprobs: the token's log-probabilities when the request asked for them.
     """
 
     request_id: str
@@ -172,6 +200,7 @@ class TokenEvent:
     text: str
     finished: bool = False
     finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +215,7 @@ class Completion:
         text: the generated text, cut before a stop string.
         finish_reason: why it ended.
         reused_tokens: prompt tokens whose KV came from the tiers instead of a forward.
+        logprobs: one entry per generated token when the request asked for them.
     """
 
     request_id: str
@@ -194,6 +224,7 @@ class Completion:
     text: str
     finish_reason: FinishReason | None
     reused_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class RequestHandle:
@@ -281,21 +312,20 @@ class RequestHandle:
 
     def result(self) -> Completion:
         """Block until the request finishes; returns everything it produced."""
-        token_ids: list[int] = []
-        pieces: list[str] = []
-        reason: FinishReason | None = None
-        for event in self:
-            if event.token_id is not None:
-                token_ids.append(event.token_id)
-            pieces.append(event.text)
-            reason = event.finish_reason
+        return self.completion_of(list(self))
+
+    def completion_of(self, events: Sequence[TokenEvent]) -> Completion:
+        """The ``Completion`` that ``events`` (all of this request's) add up to."""
+        token_ids = [e.token_id for e in events if e.token_id is not None]
+        logprobs = [e.logprobs for e in events if e.logprobs is not None]
         return Completion(
             self.request_id,
             list(self.request.prompt_ids),
             token_ids,
-            "".join(pieces),
-            reason,
+            "".join(e.text for e in events),
+            events[-1].finish_reason if events else None,
             self.reused_tokens,
+            logprobs if self.request.params.logprobs is not None else None,
         )
 
     # ---- producer side (the engine) -------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.request import SamplingParams
+from kvtier.engine.request import SamplingParams, TokenLogprobs
 
 # Prompt tokens decoded ahead of the output, so the first output token gets the spacing it
 # has in context (SentencePiece tokenizers drop a leading space when decoding alone).
@@ -67,6 +67,19 @@ def sample(
     scaled = shifted / params.temperature
     probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under ``logits [V]`` (log-softmax in float32) and the
+    ``top`` most likely tokens' (ties in id order)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    best = torch.topk(logprobs, top, dim=-1) if top else None
+    pairs = (
+        tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+        if best is not None
+        else ()
+    )
+    return TokenLogprobs(float(logprobs[token]), pairs)
 
 
 class TextStream:

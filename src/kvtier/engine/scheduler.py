@@ -35,7 +35,7 @@ import torch
 
 from kvtier.engine.batch_cache import BatchCache
 from kvtier.engine.request import RequestHandle, TokenEvent
-from kvtier.engine.sampling import TextStream, make_generator, sample
+from kvtier.engine.sampling import TextStream, make_generator, sample, token_logprobs
 from kvtier.hf import TieredCache
 from kvtier.kv.chunk import ChunkRef
 from kvtier.tiers import ChunkLostError
@@ -401,9 +401,12 @@ class BatchScheduler:
     def _postprocess(self, seq: _Sequence, logits: torch.Tensor) -> None:
         params = seq.handle.request.params
         token = sample(logits, params, seq.generator)
+        logprobs = (
+            None if params.logprobs is None else token_logprobs(logits, token, params.logprobs)
+        )
         last = seq.last_token_s if seq.generated else seq.handle.request.arrival_s
         reason, seq.last_token_s = self.engine._emit(
-            seq.handle, seq.text, seq.generated, token, last
+            seq.handle, seq.text, seq.generated, token, last, logprobs
         )
         seq.generated += 1
         seq.ids.append(token)

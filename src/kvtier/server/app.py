@@ -29,11 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier import __version__
-from kvtier.engine import Completion, Engine, FinishReason, ParamError, RequestHandle
+from kvtier.engine import Completion, Engine, ParamError, RequestHandle, TokenEvent
 from kvtier.server import errors
 from kvtier.server.config import ServerConfig
 from kvtier.server.errors import APIError
 from kvtier.server.guard import TENANT_SCOPE_KEY, APIKeyMiddleware, BodyLimitMiddleware
+from kvtier.server.logprobs import CompletionLogprobs, chat_logprobs
 from kvtier.server.metrics import registry_for
 from kvtier.server.openapi import install_openapi
 from kvtier.server.protocol import (
@@ -132,16 +133,22 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
             ids = prompt
         request_id = new_id("cmpl")
         handle = engine.submit(ids, params, request_id, salt_of(request, body.cache_salt))
+        logprobs = CompletionLogprobs(engine.token_text) if params.logprobs is not None else None
         if body.stream:
 
-            def chunk(text: str, reason: FinishReason | None) -> dict[str, Any]:
-                return completion_chunk(request_id, model_name, text, reason)
+            def chunk(event: TokenEvent) -> dict[str, Any]:
+                lp = _one(event)
+                text_lp = logprobs.of(lp) if logprobs is not None and lp else None
+                return completion_chunk(
+                    request_id, model_name, event.text, event.finish_reason, text_lp
+                )
 
             usage = (model_name, "text_completion") if body.include_usage else None
             events = _stream(handle, chunk, None, usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         completion = await _collect_while_connected(handle, request)
-        return JSONResponse(completion_body(request_id, model_name, completion))
+        all_lp = logprobs.of(_all(completion)) if logprobs is not None else None
+        return JSONResponse(completion_body(request_id, model_name, completion, all_lp))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -157,20 +164,36 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
         request_id = new_id("chatcmpl")
         params = body.params(max_tokens)
         handle = engine.submit(ids, params, request_id, salt_of(request, body.cache_salt))
+        want_logprobs = params.logprobs is not None
         if body.stream:
 
-            def chunk(text: str, reason: FinishReason | None) -> dict[str, Any]:
-                delta = {"content": text} if text else {}
-                return chat_chunk(request_id, model_name, delta, reason)
+            def chunk(event: TokenEvent) -> dict[str, Any]:
+                delta = {"content": event.text} if event.text else {}
+                lp = _one(event)
+                chat_lp = chat_logprobs(lp, engine.token_text) if want_logprobs and lp else None
+                return chat_chunk(request_id, model_name, delta, event.finish_reason, chat_lp)
 
             first = chat_chunk(request_id, model_name, {"role": "assistant", "content": ""}, None)
             usage = (model_name, "chat.completion.chunk") if body.include_usage else None
             events = _stream(handle, chunk, first, usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         completion = await _collect_while_connected(handle, request)
-        return JSONResponse(chat_body(request_id, model_name, completion))
+        all_lp = chat_logprobs(_all(completion), engine.token_text) if want_logprobs else None
+        return JSONResponse(chat_body(request_id, model_name, completion, all_lp))
 
     return app
+
+
+def _one(event: TokenEvent) -> list[tuple[int, Any]]:
+    """The event's token with its log-probabilities, when it carries both."""
+    if event.token_id is None or event.logprobs is None:
+        return []
+    return [(event.token_id, event.logprobs)]
+
+
+def _all(completion: Completion) -> list[tuple[int, Any]]:
+    """Every generated token with its log-probabilities."""
+    return list(zip(completion.token_ids, completion.logprobs or [], strict=False))
 
 
 async def _collect_while_connected(handle: RequestHandle, request: Request) -> Completion:
@@ -201,32 +224,19 @@ async def _disconnect(request: Request) -> None:
 
 async def _collect(handle: RequestHandle) -> Completion:
     """Wait for a request to finish without blocking the event loop."""
-    token_ids: list[int] = []
-    parts: list[str] = []
-    reason: FinishReason | None = None
+    received: list[TokenEvent] = []
     try:
         async with aclosing(handle.events()) as events:
             async for event in events:
-                if event.token_id is not None:
-                    token_ids.append(event.token_id)
-                parts.append(event.text)
-                reason = event.finish_reason
+                received.append(event)
     except Exception as exc:  # raised by the engine for this request; it serves on
         raise APIError(500, f"generation failed: {exc}", None, "generation_failed") from exc
-    request = handle.request
-    return Completion(
-        request.request_id,
-        list(request.prompt_ids),
-        token_ids,
-        "".join(parts),
-        reason,
-        handle.reused_tokens,
-    )
+    return handle.completion_of(received)
 
 
 async def _stream(
     handle: RequestHandle,
-    chunk: Callable[[str, FinishReason | None], dict[str, Any]],
+    chunk: Callable[[TokenEvent], dict[str, Any]],
     first: dict[str, Any] | None,
     usage_object: tuple[str, str] | None,
 ) -> AsyncIterator[str]:
@@ -245,7 +255,7 @@ async def _stream(
                 generated += event.token_id is not None
                 # One chunk per token, even when its text is still empty (a partial UTF-8
                 # character): clients can count and time every token.
-                yield _sse(chunk(event.text, event.finish_reason))
+                yield _sse(chunk(event))
         if usage_object is not None:
             usage = usage_body(len(handle.request.prompt_ids), generated, handle.reused_tokens)
             yield _sse(usage_chunk(request_id, *usage_object, usage))

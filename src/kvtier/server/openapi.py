@@ -49,7 +49,45 @@ _STRING = {"type": "string"}
 _INTEGER = {"type": "integer"}
 _NULL_OR_STRING = {"type": ["string", "null"]}
 _FINISH_REASON = {"enum": ["stop", "length", "cancelled", None]}
-_NO_LOGPROBS = {"type": "null"}
+_NUMBER = {"type": "number"}
+_TOKEN_LOGPROB = _object(
+    {"token": _STRING, "logprob": _NUMBER, "bytes": {"type": "array", "items": _INTEGER}}
+)
+# /v1/completions' legacy columns and chat's per-token entries (see kvtier.server.logprobs).
+_COMPLETION_LOGPROBS = {
+    "anyOf": [
+        {"type": "null"},
+        _object(
+            {
+                "tokens": {"type": "array", "items": _STRING},
+                "token_logprobs": {"type": "array", "items": _NUMBER},
+                "top_logprobs": {
+                    "type": "array",
+                    "items": {"type": "object", "additionalProperties": _NUMBER},
+                },
+                "text_offset": {"type": "array", "items": _INTEGER},
+            }
+        ),
+    ]
+}
+_CHAT_LOGPROBS = {
+    "anyOf": [
+        {"type": "null"},
+        _object(
+            {
+                "content": {
+                    "type": "array",
+                    "items": {
+                        "allOf": [
+                            _TOKEN_LOGPROB,
+                            _object({"top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}),
+                        ]
+                    },
+                }
+            }
+        ),
+    ]
+}
 
 _USAGE = _object(
     {"prompt_tokens": _INTEGER, "completion_tokens": _INTEGER, "total_tokens": _INTEGER},
@@ -67,9 +105,9 @@ def _response_body(
     return _object({**head, "choices": choices, "usage": usage})
 
 
-def _choice(**fields: Any) -> dict[str, Any]:
+def _choice(logprobs: dict[str, Any], **fields: Any) -> dict[str, Any]:
     return _object(
-        {"index": _INTEGER, **fields, "logprobs": _NO_LOGPROBS, "finish_reason": _FINISH_REASON}
+        {"index": _INTEGER, **fields, "logprobs": logprobs, "finish_reason": _FINISH_REASON}
     )
 
 
@@ -87,16 +125,22 @@ COMPONENTS: dict[str, Any] = {
         }
     ),
     "Usage": _USAGE,
-    "Completion": _response_body("text_completion", _choice(text=_STRING), _ref("Usage")),
-    "CompletionChunk": _response_body("text_completion", _choice(text=_STRING), None),
+    "Completion": _response_body(
+        "text_completion", _choice(_COMPLETION_LOGPROBS, text=_STRING), _ref("Usage")
+    ),
+    "CompletionChunk": _response_body(
+        "text_completion", _choice(_COMPLETION_LOGPROBS, text=_STRING), None
+    ),
     "ChatCompletion": _response_body(
         "chat.completion",
-        _choice(message=_object({"role": {"const": "assistant"}, "content": _STRING})),
+        _choice(
+            _CHAT_LOGPROBS, message=_object({"role": {"const": "assistant"}, "content": _STRING})
+        ),
         _ref("Usage"),
     ),
     "ChatCompletionChunk": _response_body(
         "chat.completion.chunk",
-        _choice(delta=_object({}, role={"const": "assistant"}, content=_STRING)),
+        _choice(_CHAT_LOGPROBS, delta=_object({}, role={"const": "assistant"}, content=_STRING)),
         None,
     ),
     "ModelList": _object(

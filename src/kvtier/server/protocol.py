@@ -2,8 +2,8 @@
 
 Field names follow OpenAI's API. Types are strict (``"5"`` is not a number), fields this
 server does not know are ignored, known fields outside their range are rejected with the
-field's name, and known fields whose feature this server lacks (``logprobs``, ``echo``,
-penalties, ``logit_bias``…) are refused when set, never silently ignored. Strings must be
+field's name, and known fields whose feature this server lacks (``echo``, penalties,
+``logit_bias``…) are refused when set, never silently ignored. Strings must be
 valid Unicode (a lone surrogate such as ``"\ud800"`` is refused). Extensions: ``top_k``,
 ``ignore_eos`` and ``cache_salt`` (vLLM's name: requests reuse KV only from requests with
 the same salt).
@@ -99,6 +99,10 @@ class _Sampling(_Strict):
         for i, stop in enumerate(stops):
             check_text(f"stop[{i}]" if isinstance(self.stop, list) else "stop", stop)
 
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token the client wants log-probabilities of (None: none)."""
+        return None
+
     def params(self, max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters; ``ParamError`` names a field out of range."""
         if self.n not in (None, 1):
@@ -112,6 +116,7 @@ class _Sampling(_Strict):
             stop=stop,
             seed=self.seed,
             ignore_eos=bool(self.ignore_eos),
+            logprobs=self.logprobs_count(),
         )
 
     @property
@@ -125,10 +130,11 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
 
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
     def check(self) -> None:
         super().check()
-        if self.logprobs is not None:
-            raise ParamError("logprobs", "is not supported by this server yet; omit it")
         prompt = self.prompt
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
         for text in texts:
@@ -173,12 +179,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check(self) -> None:
         super().check()
-        if self.logprobs:
-            raise ParamError("logprobs", "is not supported by this server yet; omit it")
-        if self.top_logprobs is not None:
-            raise ParamError("top_logprobs", "is not supported by this server yet; omit it")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ParamError(
+                "top_logprobs", f"must be an integer in [0, 20], got {self.top_logprobs}"
+            )
         for i, message in enumerate(self.messages):
             for text in message.texts():
                 check_text(f"messages[{i}].content", text)
@@ -198,7 +209,9 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     }
 
 
-def completion_body(request_id: str, model: str, completion: Completion) -> dict[str, Any]:
+def completion_body(
+    request_id: str, model: str, completion: Completion, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "text_completion",
@@ -208,7 +221,7 @@ def completion_body(request_id: str, model: str, completion: Completion) -> dict
             {
                 "index": 0,
                 "text": completion.text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
             }
         ],
@@ -216,7 +229,9 @@ def completion_body(request_id: str, model: str, completion: Completion) -> dict
     }
 
 
-def chat_body(request_id: str, model: str, completion: Completion) -> dict[str, Any]:
+def chat_body(
+    request_id: str, model: str, completion: Completion, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -226,7 +241,7 @@ def chat_body(request_id: str, model: str, completion: Completion) -> dict[str, 
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": completion.text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
             }
         ],
@@ -235,26 +250,36 @@ def chat_body(request_id: str, model: str, completion: Completion) -> dict[str, 
 
 
 def completion_chunk(
-    request_id: str, model: str, text: str, finish_reason: str | None
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [choice],
     }
 
 
 def chat_chunk(
-    request_id: str, model: str, delta: dict[str, str], finish_reason: str | None
+    request_id: str,
+    model: str,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [choice],
     }
 
 
