@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -161,6 +163,16 @@ def test_api_key_is_required_on_v1_routes(server: ServerThread) -> None:
     assert server.request("POST", COMPLETIONS, body)[0] == 200
 
 
+def test_wrong_method_answers_405_with_allow(server: ServerThread) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn.request("GET", "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    conn.close()
+    assert response.status == 405 and response.getheader("Allow") == "POST"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
 def test_full_queue_answers_429_then_serves_again(model: Any, tokenizer: Any) -> None:
     with Engine(model, tokenizer, engine_config(max_queued=1, max_batch_size=1)) as engine:
         server = ServerThread(create_app(engine, NAME))
@@ -174,6 +186,7 @@ def test_full_queue_answers_429_then_serves_again(model: Any, tokenizer: Any) ->
                 client.completions.create(model=NAME, prompt="Hi", max_tokens=2)
             assert info.value.status_code == 429
             assert "queue is full" in info.value.message
+            assert int(info.value.response.headers["Retry-After"]) >= 1
             running.close()  # clients going away cancel their requests
             waiting.close()
             deadline = time.monotonic() + 10
