@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-BENCHMARKS = ("tiers", "decode", "reuse", "throughput", "serve", "multiturn")
+BENCHMARKS = ("tiers", "decode", "reuse", "throughput", "serve", "multiturn", "tenants", "crash")
