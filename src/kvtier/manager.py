@@ -1,11 +1,11 @@
-"""The KV manager: where every chunk is, and the moves between tiers.
+"""The KV manager: where every chunk is, and the bookkeeping of the moves between tiers.
 
 The manager owns an ordered list of tiers, fastest first (``device`` optional, ``host``,
 ``disk`` optional). It answers "longest cached prefix of these token ids, and which tier
 holds each chunk", stores sealed chunks, promotes chunks on read, and keeps every tier
 within its budget: a tier that evicts a chunk writes it to the next tier down first when
 that tier does not hold it yet (so write-back loses nothing and write-through never writes
-twice).
+twice). The bytes themselves move in ``kvtier.moves`` (evict hooks and link steps).
 
 Storage faults degrade, never fail a caller: a disk tier that hits an I/O error stops
 taking writes (``TierStats.writes_disabled``) and every write path here (``store``, the
@@ -38,9 +38,9 @@ from kvtier.config import ManagerConfig
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey, KeyHasher, Namespace
 from kvtier.kv.layout import KVLayout
-from kvtier.tiers.base import Tier, TierFullError, TierStats
+from kvtier.moves import DiskWrite, DiskWriteDown, Promote, WriteDown
+from kvtier.tiers.base import Tier, TierStats
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_io import copy_bytes
 from kvtier.tiers.pool import device_tier, host_tier
 from kvtier.transfer import CopyStep, Link, LinkStats, Throttle, TransferHandle
 
@@ -293,7 +293,7 @@ class KVManager:
             if not block:
                 self._count_dropped(len(todo))
             return None
-        steps = [CopyStep(self.layout.chunk_nbytes, range(0), _DiskWrite(self, r)) for r in todo]
+        steps = [CopyStep(self.layout.chunk_nbytes, range(0), DiskWrite(self, r)) for r in todo]
         link = self.host_disk_link
         handle = link.submit(steps, 0) if block else link.try_submit(steps, 0)
         if handle is None:  # the link is full: drop rather than stall the caller
@@ -377,7 +377,7 @@ class KVManager:
         todo = [r for r in refs if not self.host.contains(r) and self._on_disk(r)]
         if not todo:
             return None
-        steps = [CopyStep(self.layout.chunk_nbytes, range(0), _Promote(self, r)) for r in todo]
+        steps = [CopyStep(self.layout.chunk_nbytes, range(0), Promote(self, r)) for r in todo]
         return self._track(self.host_disk_link.submit(steps, num_layers=0))
 
     def promote(self, refs: Sequence[ChunkRef]) -> list[str]:
@@ -397,7 +397,7 @@ class KVManager:
         todo = [i for i, r in enumerate(refs) if outcomes[i] != "host" and self._on_disk(r)]
         if todo:
             nbytes = self.layout.chunk_nbytes
-            steps = [CopyStep(nbytes, range(0), _Promote(self, refs[i], outcomes, i)) for i in todo]
+            steps = [CopyStep(nbytes, range(0), Promote(self, refs[i], outcomes, i)) for i in todo]
             self._track(self.host_disk_link.submit(steps, num_layers=0)).wait()
         return outcomes
 
@@ -437,8 +437,8 @@ class KVManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _write_down_hook(self, lower: Tier) -> _WriteDown | _DiskWriteDown:
-        return _DiskWriteDown(self) if lower is self.disk else _WriteDown(lower)
+    def _write_down_hook(self, lower: Tier) -> WriteDown | DiskWriteDown:
+        return DiskWriteDown(self) if lower is self.disk else WriteDown(lower)
 
     def _take_spare(self) -> torch.Tensor | None:
         with self._lock:
@@ -454,141 +454,3 @@ class KVManager:
                 self._write_downs_async += 1
             else:
                 self._write_downs_sync += 1
-
-
-class _WriteDown:
-    """Evict hook: write a victim to the next tier down unless it already holds it."""
-
-    def __init__(self, lower: Tier) -> None:
-        self.lower = lower
-
-    def __call__(self, victim: Chunk) -> None:
-        if not self.lower.contains(victim.ref):
-            self.lower.put([victim])
-
-
-class _DiskWriteDown:
-    """Host evict hook: send a victim disk lacks to disk, off the compute thread if it can.
-
-    Runs under the host lock, in whichever thread's ``put`` evicted. The victim is copied
-    into a spare chunk (a memory copy) and written on the host⇄disk link; with no spare
-    free or no room on the link it is written here (so write-back never loses a chunk).
-    Never raises: a disk that takes no writes skips it (the tier counts it).
-    """
-
-    def __init__(self, manager: KVManager) -> None:
-        self.manager = manager
-
-    def __call__(self, victim: Chunk) -> None:
-        manager, disk, link = self.manager, self.manager.disk, self.manager.host_disk_link
-        assert disk is not None and link is not None
-        if manager._on_disk(victim.ref):
-            return
-        if disk.writes_disabled:
-            disk.put([victim])  # skips it, counted in the disk's writes_skipped
-            return
-        spare = manager._take_spare()
-        if spare is not None:
-            copy_bytes(spare, victim.data)
-            step = _SpareWrite(manager, victim.ref, spare)
-            with manager._lock:
-                manager._writing[victim.key] = victim.ref
-            handle = link.try_submit([CopyStep(manager.layout.chunk_nbytes, range(0), step)], 0)
-            if handle is not None:
-                manager._track(handle)
-                manager._count_write_down(asynchronous=True)
-                return
-            with manager._lock:
-                del manager._writing[victim.key]
-            manager._give_spare(spare)
-        _put_quietly(disk, Chunk(victim.ref, victim.data))
-        manager._count_write_down(asynchronous=False)
-
-
-def _put_quietly(disk: Tier, chunk: Chunk) -> None:
-    """``disk.put([chunk])`` where no caller can take an error: a disk whose every slot is
-    pinned just does not take it (I/O errors never leave a degrading tier)."""
-    try:
-        disk.put([chunk])
-    except TierFullError as exc:
-        log.debug("disk: chunk %s not written: %s", chunk.ref.short(), exc)
-
-
-class _SpareWrite:
-    """Link step: write an evicted chunk held in a spare buffer to disk, then free it."""
-
-    def __init__(self, manager: KVManager, ref: ChunkRef, spare: torch.Tensor) -> None:
-        self.manager = manager
-        self.ref = ref
-        self.spare = spare
-
-    def __call__(self) -> None:
-        manager = self.manager
-        try:
-            assert manager.disk is not None
-            _put_quietly(manager.disk, Chunk(self.ref, self.spare))
-        finally:
-            with manager._lock:
-                manager._writing.pop(self.ref.key, None)
-            manager._give_spare(self.spare)
-
-
-class _DiskWrite:
-    """Link step: copy one host chunk to disk, pinned while it is read (write-through)."""
-
-    def __init__(self, manager: KVManager, ref: ChunkRef) -> None:
-        self.manager = manager
-        self.ref = ref
-
-    def __call__(self) -> None:
-        host, disk = self.manager.host, self.manager.disk
-        if disk is None or disk.contains(self.ref) or not host.pin([self.ref])[0]:
-            return  # landed already, or evicted (and written down on the way out)
-        try:
-            view = host.view(self.ref)  # type: ignore[attr-defined]
-            if view is not None:
-                _put_quietly(disk, Chunk(self.ref, view))
-        finally:
-            host.unpin([self.ref])
-
-
-class _Promote:
-    """Link step: copy one chunk from disk into host; records the outcome if asked."""
-
-    def __init__(
-        self,
-        manager: KVManager,
-        ref: ChunkRef,
-        outcomes: list[str] | None = None,
-        index: int = 0,
-    ) -> None:
-        self.manager = manager
-        self.ref = ref
-        self.outcomes = outcomes
-        self.index = index
-
-    def __call__(self) -> None:
-        outcome = self._promote()
-        if self.outcomes is not None:
-            self.outcomes[self.index] = outcome
-
-    def _promote(self) -> str:
-        manager = self.manager
-        if manager.host.contains(self.ref):
-            return "host"
-        if manager.disk is None:
-            return "missing"
-        if manager._staging is None:
-            manager._staging = manager.layout.empty_chunk().zero_()
-        staging = manager._staging
-        held = manager._on_disk(self.ref)
-        if not manager.disk.get_into([self.ref], [staging])[0]:
-            if not held:
-                return "missing"
-            manager.count_recompute("corrupt")  # counted where found, whoever asked
-            return "corrupt"
-        try:
-            manager.host.put([Chunk(self.ref, staging)])
-        except TierFullError:  # every host slot pinned: the caller recomputes it
-            return "missing"
-        return "host"
