@@ -65,6 +65,11 @@ POISON: list[tuple[str, str, set[int], str | None]] = [
     (COMPLETIONS, json.dumps(completion(max_tokens=0)), {400}, "max_tokens"),
     (COMPLETIONS, json.dumps(completion(prompt=[-1])), {400}, "prompt"),
     (COMPLETIONS, json.dumps(completion(prompt=[10**30])), {400}, "prompt"),
+    (COMPLETIONS, json.dumps(completion(prompt=[1] * 5000)), {400}, "prompt"),
+    (COMPLETIONS, json.dumps(completion(prompt=[1.5] * 100_000)), {400}, "prompt"),
+    (COMPLETIONS, json.dumps(completion(prompt=["a"] + [1] * 100_000)), {400}, "prompt"),
+    (COMPLETIONS, json.dumps(completion(stop=[1] * 100_000)), {400}, "stop"),
+    (CHAT, json.dumps(chat(messages=[{"role": "x"}] * 60_000)), {400}, "messages[0].role"),
     (COMPLETIONS, json.dumps(completion(prompt=[])), {400}, "prompt"),
     (COMPLETIONS, '{"model": "tiny-llama", "prompt": "a \\ud800 b"}', {400}, "prompt"),
     (

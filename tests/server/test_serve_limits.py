@@ -54,10 +54,12 @@ def get(port: int, path: str, key: str | None = None) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def post_raw(port: int, body: bytes, chunked: bool = False) -> tuple[int, float]:
-    """POST ``body`` to /v1/completions; the status and seconds until it came back."""
+def post_raw(
+    port: int, body: bytes, chunked: bool = False, path: str = "/v1/completions"
+) -> tuple[int, float]:
+    """POST ``body`` to ``path``; the status and seconds until it came back."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     head += "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {len(body)}\r\n"
     begin = time.perf_counter()
     status: list[int] = []
@@ -125,20 +127,34 @@ def test_huge_bodies_and_prompts_are_refused_at_once(server: tuple[Any, int]) ->
     process, port = server
     assert get(port, "/health")[0] == 200
     before = rss_bytes(process.pid)
-    prompt = json.dumps({"model": "tiny", "prompt": "word " * (10 * MB), "max_tokens": 1})
+    # Every body is built before the probe starts (building them holds this process's GIL).
+    text = json.dumps({"model": "tiny", "prompt": "word " * (10 * MB), "max_tokens": 1}).encode()
+    ids = b"[" + b"1," * (25 * MB) + b"1]"
+    # Under the body cap (1 MiB for this 2K-token model) but past the prompt's character cap
+    # (64 per context token).
+    long_text = json.dumps({"model": "tiny", "prompt": "x" * (64 * 2048 + 1)}).encode()
+    # Under the body cap, built to make validation slow: every list stops at its first bad
+    # item, whichever union member it is tried as.
+    slow = [
+        ("/v1/completions", {"model": "tiny", "prompt": [1.5] * 250_000}),
+        ("/v1/completions", {"model": "tiny", "prompt": ["a"] + [1] * 500_000}),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [1] * 500_000}),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "x"}] * 60_000}),
+    ]
+    slow_bodies = [(path, json.dumps(body, separators=(",", ":")).encode()) for path, body in slow]
+    assert all(len(data) < MB for _, data in slow_bodies)
     probe = HealthProbe(port)
     try:
         answers = [
-            post_raw(port, prompt.encode()),  # a 50 MB text prompt, with Content-Length
-            post_raw(port, prompt.encode(), chunked=True),  # and without one
-            post_raw(port, b"[" + b"1," * (25 * MB) + b"1]"),  # a 50 MB body of ids
+            post_raw(port, text),  # a 50 MB text prompt, with Content-Length
+            post_raw(port, text, chunked=True),  # and without one
+            post_raw(port, ids),  # a 50 MB body of ids
+            post_raw(port, long_text),
         ]
-        # Under the body cap but past the prompt's character cap (64 per context token).
-        long_text = json.dumps({"model": "tiny", "prompt": "x" * (64 * 2048 + 1)})
-        answers.append(post_raw(port, long_text.encode()))
+        answers += [post_raw(port, data, path=path) for path, data in slow_bodies]
     finally:
         probe.stop()
-    assert [status for status, _ in answers] == [413, 413, 413, 400]
+    assert [status for status, _ in answers] == [413, 413, 413, 400, 400, 400, 400, 400]
     assert all(seconds < 1.0 for _, seconds in answers), answers
     assert probe.worst_s < 0.1 and probe.failures == 0, probe.worst_s
     assert rss_bytes(process.pid) - before < 200 * MB

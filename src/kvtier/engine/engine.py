@@ -191,6 +191,12 @@ class Engine:
             EngineClosedError: ``close`` has been called, or the worker died.
         """
         params = params or SamplingParams()
+        if not isinstance(prompt, str) and len(prompt) >= self.max_model_len:  # before the ids
+            raise ContextLengthError(
+                "prompt",
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt alone has {len(prompt)}; shorten the prompt",
+            )
         ids = as_prompt_ids(self.encode(prompt) if isinstance(prompt, str) else prompt)
         self._check_fits(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"

@@ -65,7 +65,8 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
     app = FastAPI(title="kvtier", version=__version__, docs_url=None, redoc_url=None)
     errors.install(app)
     install_openapi(app, api_key=bool(config.api_keys), metrics_need_key=config.metrics_need_key)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    body_limit = config.body_bytes_limit(engine.max_model_len)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=body_limit)
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, config=config)  # outermost: 401 before 413
     registry = registry_for(engine)

@@ -24,7 +24,10 @@ class ServerConfig:
         salt_by_key: each key is its own tenant: its requests reuse KV only from requests
             sent with the same key (on top of any per-request ``cache_salt``).
         metrics_need_key: ``/metrics`` needs a key too (``/health`` always stays open).
-        max_body_bytes: request bodies above this are refused (413) before being read.
+        max_body_bytes: request bodies above this are refused (413) before being read;
+            None: 8 bytes per prompt character allowed (``max_prompt_chars``), at least
+            1 MiB (4 MiB for an 8K-token model). Parsing a body costs the event loop
+            about 20 ms per MiB here, so the cap is also the longest the loop can stall.
         max_prompt_chars: text prompts (all messages together, for chat) above this many
             characters are refused (400) before tokenizing; None: 64 per token of the
             model's context.
@@ -33,7 +36,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     salt_by_key: bool = False
     metrics_need_key: bool = False
-    max_body_bytes: int = 8 * MiB
+    max_body_bytes: int | None = None
     max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
@@ -45,7 +48,7 @@ class ServerConfig:
             raise ValueError("metrics_need_key: needs at least one API key (--api-key-file)")
         for name in ("max_body_bytes", "max_prompt_chars"):
             value = getattr(self, name)
-            if value is None and name == "max_prompt_chars":
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
@@ -55,6 +58,12 @@ class ServerConfig:
         if self.max_prompt_chars is not None:
             return self.max_prompt_chars
         return 64 * max_model_len
+
+    def body_bytes_limit(self, max_model_len: int) -> int:
+        """The body-size cap for a model of ``max_model_len`` tokens."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return max(1 * MiB, 8 * self.prompt_chars_limit(max_model_len))
 
     def tenant_of(self, key: str) -> str:
         """The salt of an accepted key's tenant (empty unless ``salt_by_key``): a digest,

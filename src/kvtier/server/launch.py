@@ -66,7 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--metrics-need-key", action="store_true", help="/metrics needs an API key too"
     )
     parser.add_argument(
-        "--max-body-mb", type=float, default=8, help="largest request body accepted (413 above)"
+        "--max-body-mb",
+        type=float,
+        default=None,
+        help="largest request body accepted, 413 above (default: 8 bytes per prompt "
+        "character accepted, at least 1 MiB)",
     )
     parser.add_argument(
         "--max-prompt-chars",
@@ -151,7 +155,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """Map the flags (and ``$KVTIER_API_KEYS``) onto the server's config."""
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout: must be >= 0 seconds, got {args.drain_timeout}")
-    if not args.max_body_mb > 0:
+    if args.max_body_mb is not None and not args.max_body_mb > 0:
         raise ValueError(f"--max-body-mb: must be > 0, got {args.max_body_mb}")
     keys = read_api_keys(args.api_key, args.api_key_file)
     if (args.salt_by_key or args.metrics_need_key) and not keys:
@@ -161,7 +165,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_keys=keys,
         salt_by_key=args.salt_by_key,
         metrics_need_key=args.metrics_need_key,
-        max_body_bytes=int(args.max_body_mb * MiB),
+        max_body_bytes=None if args.max_body_mb is None else max(1, int(args.max_body_mb * MiB)),
         max_prompt_chars=args.max_prompt_chars,
     )
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.engine import Completion, ParamError, SamplingParams
+from kvtier.engine.request import MAX_STOP_STRINGS
 
 # What a union-typed field accepts, for error messages (pydantic reports each member).
 EXPECTED = {
@@ -41,6 +42,22 @@ def check_text(param: str, text: str) -> None:
         ) from None
 
 
+# Validation must cost little whatever the body holds: a union tries every member, and a
+# list member reports one error per bad item (2M bad items in an 8 MB body took pydantic
+# 52 s of the event loop). So every list is bounded (``max_length`` is checked before the
+# items) and stops at its first bad item (``fail_fast``).
+MAX_PROMPT_IDS = 1 << 20
+MAX_PROMPTS = 64  # a list of prompts: refused past one, with a message (single_prompt)
+MAX_MESSAGES = 1 << 16
+MAX_PARTS = 1 << 16
+MAX_LOGIT_BIAS = 300
+
+TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_IDS, fail_fast=True)]
+TextPrompts = Annotated[list[str], Field(max_length=MAX_PROMPTS, fail_fast=True)]
+IdPrompts = Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS, fail_fast=True)]
+StopStrings = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -57,7 +74,7 @@ class _Sampling(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | StopStrings | None = None
     seed: int | None = None
     n: int | None = None
     stream: bool | None = False
@@ -69,7 +86,7 @@ class _Sampling(_Strict):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
@@ -127,7 +144,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``; one prompt (a one-element list is accepted)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | TextPrompts | IdPrompts
     logprobs: int | None = None
 
     def logprobs_count(self) -> int | None:
@@ -156,7 +173,9 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS, fail_fast=True)] | None = (
+        None
+    )
 
     def texts(self) -> list[str]:
         content = self.content
@@ -174,7 +193,7 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES, fail_fast=True)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
