@@ -25,9 +25,10 @@ class ServerConfig:
             sent with the same key (on top of any per-request ``cache_salt``).
         metrics_need_key: ``/metrics`` needs a key too (``/health`` always stays open).
         max_body_bytes: request bodies above this are refused (413) before being read;
-            None: 8 bytes per prompt character allowed (``max_prompt_chars``), at least
-            1 MiB (4 MiB for an 8K-token model). Parsing a body costs the event loop
-            about 20 ms per MiB here, so the cap is also the longest the loop can stall.
+            None: 4 bytes per prompt character allowed (``max_prompt_chars``: UTF-8 of any
+            text), at least 1 MiB (2 MiB for an 8K-token model). FastAPI parses the JSON
+            on the event loop (about 50 ms per MiB of numbers on this machine), so the
+            cap also bounds how long one body can stall it.
         max_prompt_chars: text prompts (all messages together, for chat) above this many
             characters are refused (400) before tokenizing; None: 64 per token of the
             model's context.
@@ -63,7 +64,7 @@ class ServerConfig:
         """The body-size cap for a model of ``max_model_len`` tokens."""
         if self.max_body_bytes is not None:
             return self.max_body_bytes
-        return max(1 * MiB, 8 * self.prompt_chars_limit(max_model_len))
+        return max(1 * MiB, 4 * self.prompt_chars_limit(max_model_len))
 
     def tenant_of(self, key: str) -> str:
         """The salt of an accepted key's tenant (empty unless ``salt_by_key``): a digest,

@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-body-mb",
         type=float,
         default=None,
-        help="largest request body accepted, 413 above (default: 8 bytes per prompt "
+        help="largest request body accepted, 413 above (default: 4 bytes per prompt "
         "character accepted, at least 1 MiB)",
     )
     parser.add_argument(
