@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
-from kvtier.config import MiB
+from kvtier.engine.admission import Limits, check_fits, check_prompt_length
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.request import (
-    ContextLengthError,
     EngineClosedError,
     FinishReason,
     ParamError,
@@ -37,7 +36,7 @@ from kvtier.engine.request import (
     as_prompt_ids,
 )
 from kvtier.engine.sampling import TextStream
-from kvtier.engine.stats import EngineStats, LatencyHistogram
+from kvtier.engine.stats import EngineCounters, EngineStats
 from kvtier.hf import TieredCache
 from kvtier.hf.cache import CacheStats
 from kvtier.kv import KVLayout
@@ -102,34 +101,22 @@ class Engine:
         self._queue: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
         self._resuming: list[RequestHandle] = []  # preempted, waiting to resume
-        self._max_decode_batch = 0
         self._closing = False
         self._closed = False
         self._dead: str | None = None  # why the worker died, once it has
-        self._service_s: float | None = None  # moving average of arrival → finish
         self._ids = itertools.count()
-        self._counts = dict.fromkeys(
-            (
-                "submitted",
-                "finished",
-                "cancelled",
-                "failed",
-                "rejected",
-                "prompt_tokens",
-                "generated_tokens",
-                "reused_tokens",
-                "decode_steps",
-                "decode_rows",
-                "preemptions",
-                "prefetched_chunks",
-                "isolated_failures",
-                "recovered_sequences",
-            ),
-            0,
+        self.counters = EngineCounters()
+        caches = self._scheduler.caches
+        device_tier = caches[0].device_tier if caches else None  # all reserved alike
+        layout = self.manager.layout
+        self.limits = Limits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            chunk_tokens=layout.chunk_tokens,
+            chunk_nbytes=layout.chunk_nbytes,
+            device_slots=device_tier.num_slots if device_tier is not None else 0,
+            host_slots=self.manager.host.num_slots,
         )
-        self._reused_by_tier: dict[str, int] = {}
-        self._ttft = LatencyHistogram()
-        self._inter_token = LatencyHistogram()
         self._worker = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._worker.start()
 
@@ -191,14 +178,10 @@ class Engine:
             EngineClosedError: ``close`` has been called, or the worker died.
         """
         params = params or SamplingParams()
-        if not isinstance(prompt, str) and len(prompt) >= self.max_model_len:  # before the ids
-            raise ContextLengthError(
-                "prompt",
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"prompt alone has {len(prompt)}; shorten the prompt",
-            )
+        if not isinstance(prompt, str):
+            check_prompt_length(len(prompt), self.limits)  # before its ids are looked at
         ids = as_prompt_ids(self.encode(prompt) if isinstance(prompt, str) else prompt)
-        self._check_fits(ids, params)
+        check_fits(ids, params, self.limits)
         request_id = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(Request(request_id, ids, params, cache_salt))
         with self._cond:
@@ -207,69 +190,22 @@ class Engine:
             if self._closing:
                 raise EngineClosedError("the engine is shutting down and accepts no requests")
             if len(self._queue) >= self.config.max_queued:
-                self._counts["rejected"] += 1
+                self.counters.add("rejected")
                 raise QueueFullError(
                     f"the request queue is full ({self.config.max_queued} waiting); retry later",
                     self._retry_after_s(),
                 )
             self._queue.append(handle)
-            self._counts["submitted"] += 1
+            self.counters.add("submitted")
             self._cond.notify_all()
         return handle
 
-    def _check_fits(self, ids: tuple[int, ...], params: SamplingParams) -> None:
-        if max(ids) >= self.vocab_size:
-            raise ParamError(
-                "prompt", f"token id {max(ids)} is outside the vocabulary (size {self.vocab_size})"
-            )
-        total = len(ids) + params.max_tokens
-        self._check_tiers_hold(total, "prompt" if len(ids) >= total // 2 else "max_tokens")
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                "prompt" if len(ids) >= self.max_model_len else "max_tokens",
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{total} were requested ({len(ids)} in the prompt, {params.max_tokens} for "
-                "the output); shorten the prompt or lower max_tokens",
-            )
-
-    def _check_tiers_hold(self, total_tokens: int, field: str) -> None:
-        """Refuse up front a sequence whose KV the tiers cannot hold even alone.
-
-        When a sequence's sealed chunks outgrow its device tier, the rest stream from the
-        host tier, where every sealed chunk is written and a forward pins the streamed ones
-        all at once (a disk tier only refills the host): then all of its sealed chunks must
-        fit in the host tier together.
-
-        Raises:
-            ContextLengthError: naming the sizes and the fix.
-        """
-        layout = self.manager.layout
-        chunk = layout.chunk_nbytes
-        caches = self._scheduler.caches
-        if not caches:
-            return  # closed: submit says so next
-        device_tier = caches[0].device_tier  # every cache is reserved alike
-        device_slots = device_tier.num_slots if device_tier is not None else 0
-        sealed = total_tokens // layout.chunk_tokens
-        host_slots = self.manager.host.num_slots
-        if sealed > device_slots and sealed > host_slots:
-            raise ContextLengthError(
-                field,
-                f"{total_tokens} tokens are {sealed} chunks ({sealed * chunk / MiB:.1f} MiB), "
-                f"more than the per-sequence device budget holds ({device_slots} chunks), so "
-                f"they must fit in the host tier, which holds {host_slots} chunks "
-                f"({host_slots * chunk / MiB:.1f} MiB); enlarge the host tier or the device "
-                "budget, or shorten the request",
-            )
-
     def stats(self) -> EngineStats:
         """A snapshot of counters, latencies and the tiers' stats."""
+        counts, by_tier, max_batch = self.counters.snapshot()
         with self._cond:
-            counts = dict(self._counts)
-            by_tier = dict(self._reused_by_tier)
             depth = len(self._queue) + len(self._resuming)
             running = len(self._running)
-            max_batch = self._max_decode_batch
         return EngineStats(
             requests_submitted=counts["submitted"],
             requests_finished=counts["finished"],
@@ -282,8 +218,8 @@ class Engine:
             generated_tokens=counts["generated_tokens"],
             reused_tokens=counts["reused_tokens"],
             reused_tokens_by_tier=by_tier,
-            ttft=self._ttft.snapshot(),
-            inter_token=self._inter_token.snapshot(),
+            ttft=self.counters.ttft.snapshot(),
+            inter_token=self.counters.inter_token.snapshot(),
             manager=self.manager.stats(),
             cache=CacheStats.total(caches)
             if (caches := [c.stats() for c in self.caches])
@@ -312,7 +248,7 @@ class Engine:
         """Seconds until the queue has likely moved on by one admission (for 429s).
 
         Caller holds ``_cond``."""
-        service = self._service_s if self._service_s is not None else 1.0
+        service = self.counters.service_s or 1.0
         waits = (len(self._queue) + 1) / max(1, self.config.max_running)
         return max(1, min(600, math.ceil(service * waits)))
 
@@ -424,24 +360,16 @@ class Engine:
         if reason is not None and not text.stopped:
             delta += text.flush()
         now = time.perf_counter()
-        (self._ttft if step == 0 else self._inter_token).observe(now - last_s)
-        self._count("generated_tokens")
+        counters = self.counters
+        (counters.ttft if step == 0 else counters.inter_token).observe(now - last_s)
+        counters.add("generated_tokens")
         if reason is not None:  # counted before the caller can see the end
-            self._count("cancelled" if reason == "cancelled" else "finished")
-            self._observe_service(now - handle.request.arrival_s)
+            counters.add("cancelled" if reason == "cancelled" else "finished")
+            counters.observe_service(now - handle.request.arrival_s)
         handle.put(
             TokenEvent(handle.request_id, token, delta, reason is not None, reason, logprobs)
         )
         return reason, now
-
-    def _observe_service(self, seconds: float) -> None:
-        with self._cond:
-            last = self._service_s
-            self._service_s = seconds if last is None else 0.8 * last + 0.2 * seconds
-
-    def _observe_batch(self, rows: int) -> None:
-        with self._cond:
-            self._max_decode_batch = max(self._max_decode_batch, rows)
 
     def _prefix_tiers(self, prompt_ids: Sequence[int], salt: str = "") -> list[str]:
         """For each cached leading chunk of the prompt, the tier that holds it now."""
@@ -454,18 +382,6 @@ class Engine:
                 break
             names.append(tier.name)
         return names
-
-    def _count_prompt(self, prompt_tokens: int, reused: int, tiers: list[str]) -> None:
-        size = self.manager.layout.chunk_tokens
-        with self._cond:
-            self._counts["prompt_tokens"] += prompt_tokens
-            self._counts["reused_tokens"] += reused
-            for name in tiers[: reused // size]:
-                self._reused_by_tier[name] = self._reused_by_tier.get(name, 0) + size
-
-    def _count(self, name: str, amount: int = 1) -> None:
-        with self._cond:
-            self._counts[name] += amount
 
     def _new_cache(self) -> TieredCache:
         return TieredCache(self.model, self.config.cache, self.manager, model_id=self.model_id)

@@ -134,9 +134,9 @@ class BatchScheduler:
             if seq.decoding:
                 work.append((seq, len(seq.ids) - 1, len(seq.ids)))
         if end < len(work):
-            self.engine._count("decode_steps")
-            self.engine._count("decode_rows", len(work) - end)
-            self.engine._observe_batch(len(work) - end)
+            self.engine.counters.add("decode_steps")
+            self.engine.counters.add("decode_rows", len(work) - end)
+            self.engine.counters.observe_batch(len(work) - end)
         return work
 
     def close(self) -> None:
@@ -204,7 +204,7 @@ class BatchScheduler:
             except Exception as exc:
                 with self.engine._cond:
                     self.engine._queue.remove(handle)
-                self.engine._count("failed")
+                self.engine.counters.add("failed")
                 handle.fail(exc)
                 self._sync_counts()
                 return None
@@ -263,7 +263,7 @@ class BatchScheduler:
         victim.prefetched = False
         self.preempted.append(victim)
         self._sync_counts()
-        self.engine._count("preemptions")
+        self.engine.counters.add("preemptions")
         return True
 
     def _prefetch(self, seq: _Sequence) -> None:
@@ -285,7 +285,7 @@ class BatchScheduler:
                 refs.append(ref)
             todo = [r for r in refs if not manager.host.contains(r)]
             if todo and manager.prefetch_to_host(todo) is not None:
-                self.engine._count("prefetched_chunks", len(todo))
+                self.engine.counters.add("prefetched_chunks", len(todo))
         except Exception:
             log.exception(
                 "prefetch for request %s failed; it loads on admission", seq.handle.request_id
@@ -305,7 +305,7 @@ class BatchScheduler:
             return
         if first:
             seq.handle.reused_tokens = reused
-            engine._count_prompt(len(seq.ids), reused, tiers)
+            engine.counters.add_prompt(len(seq.ids), reused, tiers, self.chunk_tokens)
         seq.cache = cache
         seq.admitted = next(self._admissions)
         seq.admitted_s = time.perf_counter()
@@ -379,14 +379,14 @@ class BatchScheduler:
                 # it, recomputing from the last chunk still held.
                 seq.recoveries += 1
                 self._requeue(seq, suspect=False)
-                self.engine._count("recovered_sequences")
+                self.engine.counters.add("recovered_sequences")
                 self._sync_counts()
                 return
             self._fail(seq, exc)
             return
         for seq in reversed(seqs):
             self._requeue(seq, suspect=True)
-        self.engine._count("isolated_failures")
+        self.engine.counters.add("isolated_failures")
         self._sync_counts()
 
     def _requeue(self, seq: _Sequence, suspect: bool) -> None:
@@ -460,11 +460,11 @@ class BatchScheduler:
         self.idle.append(fresh)
 
     def _finish_cancelled(self, seq: _Sequence) -> None:
-        self.engine._count("cancelled")
+        self.engine.counters.add("cancelled")
         seq.handle.put(TokenEvent(seq.handle.request_id, None, "", True, "cancelled"))
 
     def _fail(self, seq: _Sequence, exc: Exception) -> None:
-        self.engine._count("failed")
+        self.engine.counters.add("failed")
         seq.handle.fail(exc)
         self._sync_counts()
 

@@ -153,3 +153,77 @@ class EngineStats:
     def mean_decode_batch(self) -> float:
         """Average sequences per decode forward (0.0 before any)."""
         return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
+
+
+COUNTER_NAMES = (
+    "submitted",
+    "finished",
+    "cancelled",
+    "failed",
+    "rejected",
+    "prompt_tokens",
+    "generated_tokens",
+    "reused_tokens",
+    "decode_steps",
+    "decode_rows",
+    "preemptions",
+    "prefetched_chunks",
+    "isolated_failures",
+    "recovered_sequences",
+)
+
+
+class EngineCounters:
+    """The engine's counters and latency histograms, written by its worker and read by
+    ``Engine.stats``. Every method is thread-safe (one lock; the histograms have their own).
+
+    Attributes:
+        ttft: submission → first token, per request.
+        inter_token: the gap between consecutive tokens of a request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTER_NAMES, 0)
+        self._reused_by_tier: dict[str, int] = {}
+        self._max_decode_batch = 0
+        self._service_s: float | None = None  # moving average of arrival → finish
+        self.ttft = LatencyHistogram()
+        self.inter_token = LatencyHistogram()
+
+    def add(self, name: str, amount: int = 1) -> None:
+        """Add ``amount`` to the counter ``name`` (one of ``COUNTER_NAMES``)."""
+        with self._lock:
+            self._counts[name] += amount
+
+    def add_prompt(
+        self, prompt_tokens: int, reused: int, tiers: list[str], chunk_tokens: int
+    ) -> None:
+        """An admitted prompt: its tokens, those reused, and the tier of each reused chunk."""
+        with self._lock:
+            self._counts["prompt_tokens"] += prompt_tokens
+            self._counts["reused_tokens"] += reused
+            for name in tiers[: reused // chunk_tokens]:
+                self._reused_by_tier[name] = self._reused_by_tier.get(name, 0) + chunk_tokens
+
+    def observe_batch(self, rows: int) -> None:
+        """A decode forward of ``rows`` sequences."""
+        with self._lock:
+            self._max_decode_batch = max(self._max_decode_batch, rows)
+
+    def observe_service(self, seconds: float) -> None:
+        """A request that ended ``seconds`` after its arrival."""
+        with self._lock:
+            last = self._service_s
+            self._service_s = seconds if last is None else 0.8 * last + 0.2 * seconds
+
+    @property
+    def service_s(self) -> float | None:
+        """The moving average of arrival → finish (None before any request ended)."""
+        with self._lock:
+            return self._service_s
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """Copies of the counters, the reused tokens by tier, and the largest decode batch."""
+        with self._lock:
+            return dict(self._counts), dict(self._reused_by_tier), self._max_decode_batch
