@@ -106,7 +106,7 @@ class Engine:
         self._dead: str | None = None  # why the worker died, once it has
         self._ids = itertools.count()
         self.counters = EngineCounters()
-        caches = self._scheduler.caches
+        caches = self._scheduler.caches.all
         device_tier = caches[0].device_tier if caches else None  # all reserved alike
         layout = self.manager.layout
         self.limits = Limits(
@@ -304,7 +304,7 @@ class Engine:
     @property
     def caches(self) -> list[TieredCache]:
         """The sequences' caches (each with its device tier), reserved at start."""
-        return list(self._scheduler.caches)
+        return list(self._scheduler.caches.all)
 
     def _run(self) -> None:
         """The worker thread. A fault in a step fails that step's sequences; a fault that

@@ -28,15 +28,15 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.engine.batch_cache import BatchCache
+from kvtier.engine.cache_pool import CachePool
 from kvtier.engine.request import RequestHandle, TokenEvent
 from kvtier.engine.sampling import TextStream, make_generator, sample, token_logprobs
-from kvtier.hf import TieredCache
+from kvtier.engine.sequence import Sequence
 from kvtier.kv.chunk import ChunkRef
 from kvtier.tiers import ChunkLostError
 
@@ -47,32 +47,6 @@ log = logging.getLogger(__name__)
 
 # Times one sequence may resume after losing KV from every tier before it fails.
 _MAX_RECOVERIES = 3
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """A request the scheduler knows: its tokens, sampling state and (when running) cache.
-
-    ``ids`` holds the prompt and every generated token; while decoding, the cache holds all
-    but the last (the next forward's input).
-    """
-
-    handle: RequestHandle
-    ids: list[int]
-    text: TextStream
-    generator: torch.Generator | None
-    waiting_since_s: float
-    generated: int = 0
-    last_token_s: float = 0.0
-    cache: TieredCache | None = None
-    admitted: int = -1  # admission order; the youngest has the largest
-    admitted_s: float = 0.0
-    admissions: int = 0
-    prefetched: bool = False
-    decoding: bool = False
-    suspect: bool = False  # was in a step that failed: runs alone until a step succeeds
-    recoveries: int = 0  # resumed after its KV was lost from every tier (recomputed)
-    pieces: deque[tuple[int, int]] = field(default_factory=deque)  # prefill [start, stop)
 
 
 class BatchScheduler:
@@ -90,15 +64,12 @@ class BatchScheduler:
         # Chunks per prefill forward: one, or as many as the step's prefill budget holds.
         budget = engine.config.prefill_tokens_per_step or self.chunk_tokens
         self._piece_chunks = max(1, budget // self.chunk_tokens)
-        self.running: list[_Sequence] = []
-        self.preempted: deque[_Sequence] = deque()  # waiting to resume, oldest first
-        # One cache per sequence that may run, reserved now: the device budget is taken
-        # at start and no request pays the first touch of its buffers.
-        self.caches: list[TieredCache] = [self._fresh_cache() for _ in range(self.max_running)]
-        self.idle: list[TieredCache] = list(self.caches)  # caches no sequence holds
+        self.running: list[Sequence] = []
+        self.preempted: deque[Sequence] = deque()  # waiting to resume, oldest first
+        self.caches = CachePool(engine._new_cache, self.max_running, self._piece_chunks)
         self._warm_up()
         self._admissions = itertools.count()
-        self._known: dict[RequestHandle, _Sequence] = {}  # queued requests seen so far
+        self._known: dict[RequestHandle, Sequence] = {}  # queued requests seen so far
 
     @property
     def busy(self) -> bool:
@@ -112,14 +83,14 @@ class BatchScheduler:
         if self.running:
             self._run(self._pieces())
 
-    def _pieces(self) -> list[tuple[_Sequence, int, int]]:
+    def _pieces(self) -> list[tuple[Sequence, int, int]]:
         """This step's work: ``(sequence, start, stop)`` of the ids each one feeds.
 
         Prefilling sequences, oldest first, give their next piece while the step's prefill
         budget lasts (at least one piece); every decoding sequence gives its last token.
         """
         budget = self.config.prefill_tokens_per_step or self.chunk_tokens
-        work: list[tuple[_Sequence, int, int]] = []
+        work: list[tuple[Sequence, int, int]] = []
         spent = 0
         prefilling = sorted((s for s in self.running if not s.decoding), key=lambda s: s.admitted)
         for seq in prefilling:
@@ -141,15 +112,14 @@ class BatchScheduler:
 
     def close(self) -> None:
         """Release every cache (engine close, after the worker has exited)."""
-        for cache in self.caches:
-            cache.close()
-        self.running, self.idle, self.caches = [], [], []
+        self.caches.close()
+        self.running = []
 
     def fail_all(self, exc: Exception) -> None:
         """End every running and preempted sequence with ``exc``; replace their caches."""
         for seq in [*self.running, *self.preempted]:
             if seq.cache is not None:
-                self._discard(seq.cache)
+                self.caches.replace(seq.cache)
                 seq.cache = None
             self._fail(seq, exc)
         self.running, self.preempted = [], deque()
@@ -191,7 +161,7 @@ class BatchScheduler:
             self._take(seq)
             self._admit(seq)
 
-    def _sequence_of(self, handle: RequestHandle) -> _Sequence | None:
+    def _sequence_of(self, handle: RequestHandle) -> Sequence | None:
         """The scheduler's state of a queued request, set up on first sight; None when the
         set-up failed (the request then failed and left the queue)."""
         seq = self._known.get(handle)
@@ -208,13 +178,13 @@ class BatchScheduler:
                 handle.fail(exc)
                 self._sync_counts()
                 return None
-            seq = _Sequence(handle, list(request.prompt_ids), text, generator, request.arrival_s)
+            seq = Sequence(handle, list(request.prompt_ids), text, generator, request.arrival_s)
             self._known[handle] = seq
         return seq
 
-    def _oldest_waiting(self) -> _Sequence | None:
+    def _oldest_waiting(self) -> Sequence | None:
         engine = self.engine
-        fresh: _Sequence | None = None
+        fresh: Sequence | None = None
         while fresh is None:
             with engine._cond:
                 head = engine._queue[0] if engine._queue else None
@@ -226,7 +196,7 @@ class BatchScheduler:
             return resumed or fresh
         return resumed if resumed.waiting_since_s <= fresh.waiting_since_s else fresh
 
-    def _take(self, seq: _Sequence) -> None:
+    def _take(self, seq: Sequence) -> None:
         """Remove ``seq`` from whichever waiting line holds it."""
         engine = self.engine
         if self.preempted and self.preempted[0] is seq:
@@ -237,7 +207,7 @@ class BatchScheduler:
             self._known.pop(seq.handle, None)
         self._sync_counts()
 
-    def _preempt_for(self, seq: _Sequence) -> bool:
+    def _preempt_for(self, seq: Sequence) -> bool:
         """Make room for ``seq`` by preempting the youngest decoding sequence, if due.
 
         Due when ``seq`` has waited ``preempt_after_s``; only a sequence that has run that
@@ -256,7 +226,7 @@ class BatchScheduler:
         victim = max(victims, key=lambda s: s.admitted)
         self.running.remove(victim)
         assert victim.cache is not None
-        self._release(victim.cache)  # sealed chunks stay in host (and disk) for the resume
+        self.caches.give_back(victim.cache)  # sealed chunks stay in host (and disk) for the resume
         victim.cache = None
         victim.decoding = False
         victim.waiting_since_s = time.perf_counter()
@@ -266,7 +236,7 @@ class BatchScheduler:
         self.engine.counters.add("preemptions")
         return True
 
-    def _prefetch(self, seq: _Sequence) -> None:
+    def _prefetch(self, seq: Sequence) -> None:
         """Start moving the cached chunks of a waiting sequence's prefix disk → host.
 
         Only a hint: a failure here is logged and admission looks the prefix up again."""
@@ -291,16 +261,16 @@ class BatchScheduler:
                 "prefetch for request %s failed; it loads on admission", seq.handle.request_id
             )
 
-    def _admit(self, seq: _Sequence) -> None:
+    def _admit(self, seq: Sequence) -> None:
         engine = self.engine
-        cache = self.idle.pop()
+        cache = self.caches.take()
         first = seq.admissions == 0
         salt = seq.handle.request.cache_salt
         try:
             tiers = engine._prefix_tiers(seq.ids, salt) if first else []
             reused = cache.reuse_prefix(torch.tensor([seq.ids], dtype=torch.long), salt)
         except Exception as exc:
-            self._discard(cache)
+            self.caches.replace(cache)
             self._fail(seq, exc)
             return
         if first:
@@ -321,14 +291,14 @@ class BatchScheduler:
 
     # ---- run -------------------------------------------------------------------------------
 
-    def _run(self, work: list[tuple[_Sequence, int, int]]) -> None:
+    def _run(self, work: list[tuple[Sequence, int, int]]) -> None:
         """One forward over every sequence's new tokens, packed in one row; then sample the
         sequences whose prompt is complete (decoding ones, and prefills' last pieces)."""
         engine = self.engine
         ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []  # packed index of each sampled sequence's last token
-        sampled: list[_Sequence] = []
+        sampled: list[Sequence] = []
         for seq, start, stop in work:
             cache = seq.cache
             assert cache is not None
@@ -362,7 +332,7 @@ class BatchScheduler:
                 self._drop(seq)
                 self._fail(seq, exc)
 
-    def _step_failed(self, seqs: list[_Sequence], exc: Exception) -> None:
+    def _step_failed(self, seqs: list[Sequence], exc: Exception) -> None:
         """A forward raised. Alone, its sequence fails. Packed with others, which one
         failed is unknown: each goes back to wait (first in line) and retries alone, so
         only a sequence that fails on its own fails; the others resume from the KV their
@@ -370,7 +340,7 @@ class BatchScheduler:
         for seq in seqs:
             self.running.remove(seq)
             if seq.cache is not None:
-                self._discard(seq.cache)  # its state is unknown after the error
+                self.caches.replace(seq.cache)  # its state is unknown after the error
                 seq.cache = None
         if len(seqs) == 1:
             seq = seqs[0]
@@ -389,7 +359,7 @@ class BatchScheduler:
         self.engine.counters.add("isolated_failures")
         self._sync_counts()
 
-    def _requeue(self, seq: _Sequence, suspect: bool) -> None:
+    def _requeue(self, seq: Sequence, suspect: bool) -> None:
         """Send a sequence whose cache was dropped back to wait, first in line; it resumes
         through ``reuse_prefix`` from the chunks the tiers still hold."""
         seq.suspect, seq.decoding, seq.prefetched = suspect, False, False
@@ -398,7 +368,7 @@ class BatchScheduler:
 
     # ---- postprocess -----------------------------------------------------------------------
 
-    def _postprocess(self, seq: _Sequence, logits: torch.Tensor) -> None:
+    def _postprocess(self, seq: Sequence, logits: torch.Tensor) -> None:
         params = seq.handle.request.params
         token = sample(logits, params, seq.generator)
         logprobs = (
@@ -413,25 +383,14 @@ class BatchScheduler:
         if reason is not None:
             self._drop(seq)
 
-    def _drop(self, seq: _Sequence) -> None:
+    def _drop(self, seq: Sequence) -> None:
         """Take a running sequence out of the batch and keep its cache for the next one."""
         if seq in self.running:
             self.running.remove(seq)
         if seq.cache is not None:
-            self._release(seq.cache)
+            self.caches.give_back(seq.cache)
             seq.cache = None
         self._sync_counts()
-
-    def _release(self, cache: TieredCache) -> None:
-        """Keep a finished sequence's cache for the next one, its device tier emptied.
-
-        The chunks are in the host tier already; an empty device tier fills from slot 0
-        again, so the next sequence's resident chunks lie end to end (attention reads
-        them without a mask)."""
-        cache.reset()
-        if cache.device_tier is not None:
-            cache.device_tier.clear()
-        self.idle.append(cache)
 
     def _warm_up(self) -> None:
         """One throw-away forward as large as the largest step (the prefill budget plus a
@@ -447,23 +406,11 @@ class BatchScheduler:
         with torch.no_grad():
             self.engine.model(ids, use_cache=False, logits_to_keep=1)
 
-    def _fresh_cache(self) -> TieredCache:
-        cache = self.engine._new_cache()
-        cache.reserve(open_chunks=self._piece_chunks)
-        return cache
-
-    def _discard(self, cache: TieredCache) -> None:
-        """Replace a cache whose state is unknown after an error with a fresh one."""
-        cache.close()
-        fresh = self._fresh_cache()
-        self.caches[self.caches.index(cache)] = fresh
-        self.idle.append(fresh)
-
-    def _finish_cancelled(self, seq: _Sequence) -> None:
+    def _finish_cancelled(self, seq: Sequence) -> None:
         self.engine.counters.add("cancelled")
         seq.handle.put(TokenEvent(seq.handle.request_id, None, "", True, "cancelled"))
 
-    def _fail(self, seq: _Sequence, exc: Exception) -> None:
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
         self.engine.counters.add("failed")
         seq.handle.fail(exc)
         self._sync_counts()

@@ -1,0 +1,68 @@
+"""The sequences' caches: one ``TieredCache`` per sequence that may run, reserved at start.
+
+Paired verbs: ``take`` a cache for an admitted sequence, ``give_back`` the cache of one that
+finished or was preempted (its chunks stay in the lower tiers), ``replace`` one whose state
+is unknown after an error. Used by the scheduler on the engine's worker thread only; not
+thread-safe. ``all`` may be read from other threads for stats (a list copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.hf import TieredCache
+
+
+class CachePool:
+    """Reserves ``size`` caches from ``new`` now: the device budget is taken at start and no
+    request pays the first touch of its buffers.
+
+    Args:
+        new: builds one cache (unreserved).
+        size: caches to keep, one per sequence that may run at once.
+        open_chunks: chunks one forward may seal per sequence (``TieredCache.reserve``).
+    """
+
+    def __init__(self, new: Callable[[], TieredCache], size: int, open_chunks: int) -> None:
+        self._new = new
+        self._open_chunks = open_chunks
+        self.all: list[TieredCache] = [self._fresh() for _ in range(size)]
+        self._idle: list[TieredCache] = list(self.all)
+
+    @property
+    def idle(self) -> int:
+        """Caches no sequence holds."""
+        return len(self._idle)
+
+    def take(self) -> TieredCache:
+        """An empty cache for an admitted sequence; the caller checked ``idle``."""
+        return self._idle.pop()
+
+    def give_back(self, cache: TieredCache) -> None:
+        """Keep a finished (or preempted) sequence's cache for the next one, emptied.
+
+        The sequence's chunks are in the host tier already. The device tier is cleared, so
+        it fills from slot 0 again and the next sequence's resident chunks lie end to end
+        (attention reads them without a mask)."""
+        cache.reset()
+        if cache.device_tier is not None:
+            cache.device_tier.clear()
+        self._idle.append(cache)
+
+    def replace(self, cache: TieredCache) -> None:
+        """Close a cache whose state is unknown after an error; a fresh one takes its place."""
+        cache.close()
+        fresh = self._fresh()
+        self.all[self.all.index(cache)] = fresh
+        self._idle.append(fresh)
+
+    def close(self) -> None:
+        """Close every cache (the engine closing, after its worker has exited)."""
+        for cache in self.all:
+            cache.close()
+        self.all, self._idle = [], []
+
+    def _fresh(self) -> TieredCache:
+        cache = self._new()
+        cache.reserve(open_chunks=self._open_chunks)
+        return cache
