@@ -43,7 +43,23 @@ ARCHS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "gemma": {"hidden_activation": "gelu_pytorch_tanh"},
     "phi3": {},
+    "olmo2": {},
+    "cohere": {},
+    "granite": {},
+    "starcoder2": {"sliding_window": None},
+    "stablelm": {},
+    "glm": {},
+    "smollm3": {},
+    "helium": {},
+    "gpt_neox": {},
+    "gemma2": {},
+    "gemma3_text": {},
 }
+# Configs that derive the head size from hidden_size / heads (no head_dim field), or have
+# no separate KV head count.
+_NO_HEAD_DIM = ("phi3", "gpt_neox")
+_NO_KV_HEADS = ("gpt_neox",)
+_EAGER_ONLY = ("gemma2",)  # transformers has no SDPA attention for these
 
 # Model shapes, independent of the architecture. "tiny" is for unit tests (seconds on CPU);
 # the others reproduce real models' KV geometry for planning and GPU benchmarks.
@@ -265,7 +281,7 @@ def model_config(arch: str = "llama", shape: str = "tiny", **overrides: Any) -> 
 
     Args:
         arch: one of ``ARCHS`` (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma``,
-            ``phi3``).
+            ``phi3``, ``olmo2``, ``gemma3_text``, …).
         shape: one of ``SHAPES`` (``tiny``, ``smollm2-135m``, ``llama3-8b``).
         **overrides: config fields that replace the shape's values.
 
@@ -279,15 +295,16 @@ def model_config(arch: str = "llama", shape: str = "tiny", **overrides: Any) -> 
     if shape not in SHAPES:
         raise ValueError(f"shape: unknown {shape!r}; accepted: {sorted(SHAPES)}")
     fields = {**SHAPES[shape], **ARCHS[arch], **overrides}
-    if arch == "phi3":
-        # Phi-3 derives the head size from hidden_size / heads and has no head_dim field.
+    if arch in _NO_HEAD_DIM:
         head_dim = fields.pop("head_dim", None)
         heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
         if head_dim is not None and head_dim * heads != hidden:
             raise ValueError(
-                "head_dim: phi3 needs head_dim * num_attention_heads == hidden_size, got "
+                f"head_dim: {arch} needs head_dim * num_attention_heads == hidden_size, got "
                 f"{head_dim} * {heads} != {hidden}"
             )
+    if arch in _NO_KV_HEADS:
+        fields.pop("num_key_value_heads", None)
     return AutoConfig.for_model(arch, **fields)
 
 
@@ -312,11 +329,14 @@ def random_model(
         seed: RNG seed for the initial weights.
         dtype: weight dtype.
         device: where to allocate the weights (default: CPU).
-        attn_implementation: transformers attention implementation name.
+        attn_implementation: transformers attention implementation name ("sdpa" falls
+            back to "eager" for architectures without an SDPA attention).
     """
     from transformers import AutoModelForCausalLM
 
     config = model_config(arch, shape, **overrides)
+    if attn_implementation == "sdpa" and arch in _EAGER_ONLY:
+        attn_implementation = "eager"
     target = torch.device(device) if device is not None else torch.device("cpu")
     devices = [target] if target.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), target:

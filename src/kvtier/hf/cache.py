@@ -37,6 +37,7 @@ from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
 from kvtier.hf.stream import Piece, Streamer, cut_pieces
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
+from kvtier.kv.spec import check_exact, check_update
 from kvtier.manager import KVManager
 from kvtier.tiers.base import ChunkLostError, TierStats
 from kvtier.tiers.pool import PoolTier, device_tier
@@ -247,6 +248,10 @@ class TieredCache(SelfManagedCache):
         self.config = config or TieredCacheConfig()
         model_config = model.config
         dtype = next(model.parameters()).dtype
+        # Refuse, with the reason, a model this cache cannot run exactly (before any state).
+        heads = KVLayout.from_model_config(model_config, dtype, chunk_tokens)
+        self.layer_specs = check_exact(model, heads.num_kv_heads, heads.head_dim)
+        self.model_type = str(getattr(model_config, "model_type", type(model).__name__))
         if manager is None:
             from kvtier.models import model_identity
 
@@ -306,7 +311,20 @@ class TieredCache(SelfManagedCache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[LayerView, LayerView]:
-        """Take the new K/V ``[B, Hkv, N, D]`` of one layer; returns the layer's view."""
+        """Take the new K/V ``[B, Hkv, N, D]`` of one layer; returns the layer's view.
+
+        Raises:
+            UnsupportedModelError: the keys do not match the layout (before any change).
+        """
+        layout = self.layout
+        if (
+            key_states.dim() != 4
+            or key_states.shape[1] != layout.num_kv_heads
+            or (key_states.shape[3] != layout.head_dim)
+        ):
+            check_update(
+                self.model_type, layer_idx, key_states, layout.num_kv_heads, layout.head_dim
+            )
         b, _, n, _ = key_states.shape
         if layer_idx == 0:
             self._begin_forward(b, n, key_states.device)
