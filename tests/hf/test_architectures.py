@@ -1,5 +1,9 @@
 """Which architectures kvtier runs: exactly (greedy tokens equal ``DynamicCache``'s), or not
-at all (refused when the cache is built, with one line naming the model type and why)."""
+at all (refused when the cache is built, with one line naming the model type and why).
+
+Sliding-window and hybrid models (layers that alternate sliding and full attention) run
+with prompts of at least four windows, so a layer that attended past its window would
+change the tokens."""
 
 from __future__ import annotations
 
@@ -7,22 +11,21 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from kvtier.config import TieredCacheConfig
+from kvtier.config import DiskConfig, HostConfig, ManagerConfig, TieredCacheConfig
 from kvtier.engine import Engine, EngineConfig
 from kvtier.hf import TieredCache
 from kvtier.hf.generate import generate
 from kvtier.kv import KVLayout
 from kvtier.kv.spec import UnsupportedModelError
-from kvtier.models import random_model
+from kvtier.manager import KVManager
+from kvtier.models import SHAPES, model_identity, random_model
 
 CHUNK = 16
-PROMPT_TOKENS = 150  # > 4 windows of the refused sliding models below
+PROMPT_TOKENS = 150  # > 4 windows of the sliding models below
 GREEDY = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
 
-# Every layer full attention, or a window at least as long as the context (never drops a
-# key): these run exactly.
 EXACT: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {},
@@ -40,28 +43,48 @@ EXACT: dict[str, dict[str, Any]] = {
     "smollm3": {},
     "helium": {},
     "gemma3_text (window >= context)": {"sliding_window": 4096},
+    "mistral (sliding window 32)": {"sliding_window": 32},
+    "qwen2 (sliding layers)": {
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "max_window_layers": 1,
+    },
+    "gemma3_text (all sliding)": {"sliding_window": 32},
+    "gemma3_text (hybrid)": {
+        "sliding_window": 24,
+        "num_hidden_layers": 4,
+        "sliding_window_pattern": 2,
+    },
+    "starcoder2 (sliding window 40)": {"sliding_window": 40},
+    "phi3 (sliding window 32)": {"sliding_window": 32},
 }
+HYBRID = "gemma3_text (hybrid)"
 
-REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "mistral with a sliding window": (
-        {"sliding_window": 32},
-        "kvtier cannot run mistral exactly: layers 0, 1 attend over a sliding window of 32",
-    ),
-    "qwen2 with sliding layers": (
-        {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
-        "kvtier cannot run qwen2 exactly: layer 1 attends over a sliding window of 32",
-    ),
-    "gemma3_text": (
-        {"sliding_window": 32},
-        "kvtier cannot run gemma3_text exactly: layers 0, 1 attend over a sliding window",
-    ),
-    "gemma2": (
+# (model type, config fields, attention implementation, the message's start)
+REFUSED: dict[str, tuple[str, dict[str, Any], str, str]] = {
+    "gemma2 (soft-capping)": (
+        "gemma2",
         {"sliding_window": 4096},
-        "kvtier cannot run gemma2 exactly: its attention soft-caps",
+        "eager",
+        "kvtier cannot run gemma2 exactly: its attention soft-caps the logits",
     ),
-    "starcoder2 with a sliding window": (
+    "gpt_oss (sinks)": (
+        "gpt_oss",
         {"sliding_window": 32},
-        "kvtier cannot run starcoder2 exactly: layers 0, 1 attend over a sliding window",
+        "eager",
+        "kvtier cannot run gpt_oss exactly: its attention has learned sinks",
+    ),
+    "qwen3_next (linear attention)": (
+        "qwen3_next",
+        {},
+        "sdpa",
+        "kvtier cannot run qwen3_next exactly: layers 0, 1 attend with linear_attention",
+    ),
+    "llama4_text (chunked attention)": (
+        "llama4_text",
+        {},
+        "sdpa",
+        "kvtier cannot run llama4_text exactly: layers 0, 1 attend with chunked_attention",
     ),
 }
 
@@ -94,25 +117,61 @@ def test_greedy_tokens_equal_dynamic_cache(name: str, budget_chunks: int) -> Non
     assert cache.peak_device_nbytes <= cache.config.device_budget_bytes
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gpt_neox", "gemma3_text (window >= context)"])
-def test_next_turn_reuse_gives_the_same_tokens(name: str) -> None:
+def make_manager(model: Any, disk: Any) -> KVManager:
+    layout = KVLayout.from_model_config(model.config, torch.float32, CHUNK)
+    config = ManagerConfig(
+        chunk_tokens=CHUNK,
+        host=HostConfig(capacity_bytes=64 * layout.chunk_nbytes),
+        disk=DiskConfig(path=None if disk is None else str(disk), fsync=False),
+    )
+    return KVManager(layout, model_identity(model), config)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("name", ["qwen3", "gpt_neox", "qwen2 (sliding layers)", HYBRID])
+def test_next_turn_reuse_gives_the_same_tokens(name: str, tier: str, tmp_path: Any) -> None:
     model = random_model(arch_of(name), seed=2, **EXACT[name])
     ids = prompt()
-    first = TieredCache(model, config_for(model, 3), chunk_tokens=CHUNK)
+    disk = tmp_path if tier == "disk" else None
+    manager = make_manager(model, disk)
+    first = TieredCache(model, config_for(model, 3), manager=manager)
     with torch.no_grad():
         out = model.generate(ids, cache=first, **GREEDY)
-        turn2 = torch.cat([out, torch.randint(3, 256, (1, 20))], dim=1)
+    turn2 = torch.cat([out, torch.randint(3, 256, (1, 20))], dim=1)
+    if disk is not None:  # a restart: the next turn finds the first turn's KV on disk only
+        first.close()
+        manager.close(flush_host_to_disk=True)
+        manager = make_manager(model, disk)
+    with torch.no_grad():
         expected = model.generate(turn2, cache=DynamicCache(config=model.config), **GREEDY)
-        again = TieredCache(model, config_for(model, 3), manager=first.manager)
+        again = TieredCache(model, config_for(model, 3), manager=manager)
         result = generate(model, again, turn2, max_new_tokens=12)
     assert result.reused_tokens > 0
     assert torch.equal(result.sequences, expected)
+    if disk is not None:
+        assert manager.stats().tiers["disk"].hits > 0
+    manager.close()
+
+
+def test_a_padded_batch_of_a_hybrid_model_equals_dynamic_cache() -> None:
+    model = random_model("gemma3_text", seed=2, **EXACT[HYBRID])
+    ids = prompt().repeat(2, 1)
+    mask = torch.ones_like(ids)
+    ids[1, :40], mask[1, :40] = 0, 0  # the second row is left-padded
+    with torch.no_grad():
+        expected = model.generate(
+            ids, attention_mask=mask, cache=DynamicCache(config=model.config), **GREEDY
+        )
+        cache = TieredCache(model, config_for(model, 3), chunk_tokens=CHUNK)
+        got = model.generate(ids, attention_mask=mask, cache=cache, **GREEDY)
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_models_kvtier_cannot_run_exactly_are_refused_in_one_line(name: str) -> None:
-    overrides, message = REFUSED[name]
-    model = random_model(arch_of(name), **overrides)
+    model_type, overrides, implementation, message = REFUSED[name]
+    config = AutoConfig.for_model(model_type, **{**SHAPES["tiny"], **overrides})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
     with pytest.raises(UnsupportedModelError) as info:
         TieredCache(model, chunk_tokens=CHUNK)
     text = str(info.value)

@@ -106,7 +106,7 @@ def _attend_packed(view: PackedView, query: torch.Tensor, scale: float) -> torch
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
     decodes: list[tuple[int, LayerView]] = []
     for (start, length), row in zip(view.spans, rows, strict=True):
-        if length == 1 and _resident_decode(row):
+        if length == 1 and row.cache.windows[view.layer_idx] is None and _resident_decode(row):
             decodes.append((start, row))
             continue
         result = _attend_layer(row.cache, row, query[:, :, start : start + length], scale)
@@ -196,6 +196,9 @@ def _attend_layer(
     A pass that starts on a chunk boundary (no tail before it) and has no padding attends
     its new tokens with the kernel's causal flag instead of a mask.
     """
+    window = cache.windows[view.layer_idx]
+    if window is not None:
+        return _attend_windowed(cache, view, query, scale, window)
     plan = cache.plan
     sq = query.shape[2]
     block = sq if query.device.type == "cpu" else cache.config.query_block_tokens
@@ -237,6 +240,90 @@ def _attend_layer(
     outs = [merge(results).out for results in partial]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.to(query.dtype)
+
+
+def _attend_windowed(
+    cache: TieredCache, view: LayerView, query: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    """A sliding-window layer: each query sees the keys ``q - window < k <= q`` only.
+
+    The same segments as a full layer (resident chunks, streamed pieces, recent tokens),
+    each attended with a mask of its keys' absolute positions; a piece wholly before every
+    query's window is acquired and released unread (the stream keeps its order). Queries in
+    one block: a window bounds what each sees, not the score matrix.
+    """
+    plan = cache.plan
+    sq = query.shape[2]
+    size = cache.layout.chunk_tokens
+    q0 = cache.seq_len - sq  # absolute position of the first query
+    device = query.device
+    q_pos = torch.arange(q0, q0 + sq, device=device)
+    oldest = q0 - window + 1  # no query sees a key before this
+
+    def in_window(k_pos: torch.Tensor) -> torch.Tensor:  # [Sk] -> [1, 1, Sq, Sk] bool
+        return (k_pos[None, :] > q_pos[:, None] - window)[None, None]
+
+    def chunk_positions(chunks: list[int]) -> torch.Tensor:  # [len * T]; -1: no chunk
+        base = torch.tensor(chunks, dtype=torch.long, device=device)[:, None] * size
+        pos = base + torch.arange(size, device=device)
+        return torch.where(base >= 0, pos, torch.full_like(pos, -(2**40))).flatten()
+
+    results: list[SegmentResult] = []
+    if plan.resident:
+        assert cache.device_tier is not None
+        keys, values = cache.device_tier.layer_kv(view.layer_idx)  # [H, S, T, D]
+        heads, dim = keys.shape[0], keys.shape[-1]
+        lo, hi = plan.resident_slots.start, plan.resident_slots.stop
+        chunks = [-1] * (hi - lo)
+        for slot, _, chunk in plan.resident:
+            chunks[slot - lo] = chunk
+        if max(chunks) >= 0 and (max(chunks) + 1) * size > oldest:
+            k = keys[:, plan.resident_slots].reshape(heads, -1, dim)
+            v = values[:, plan.resident_slots].reshape(heads, -1, dim)
+            batch = query.shape[0]
+            results.append(
+                attend_segment(
+                    query,
+                    k.unsqueeze(0).expand(batch, *k.shape),
+                    v.unsqueeze(0).expand(batch, *v.shape),
+                    scale,
+                    valid_mask=plan.resident_valid,
+                    mask=in_window(chunk_positions(chunks)),
+                )
+            )
+    streamer = cache.streamer
+    assert streamer is not None
+    for j, index in enumerate(plan.pieces_by_layer[view.layer_idx] if plan.pieces else []):
+        piece = plan.pieces[index]
+        keys, values = streamer.acquire(index)  # [H, n*T, D]
+        if (max(piece.chunk_idx) + 1) * size > oldest:
+            batch = query.shape[0]
+            results.append(
+                attend_segment(
+                    query,
+                    keys.unsqueeze(0).expand(batch, *keys.shape),
+                    values.unsqueeze(0).expand(batch, *values.shape),
+                    scale,
+                    valid_mask=plan.piece_valid[j],
+                    mask=in_window(chunk_positions(list(piece.chunk_idx))),
+                )
+            )
+        streamer.release(index)
+    recent_len = view.recent_key.shape[2]
+    recent_pos = torch.arange(view.recent_start, view.recent_start + recent_len, device=device)
+    results.append(
+        attend_segment(
+            query,
+            view.recent_key,
+            view.recent_value,
+            scale,
+            query_positions=q0,
+            key_start=view.recent_start,
+            valid_mask=cache.recent_valid(view.recent_start, recent_len),
+            mask=in_window(recent_pos),
+        )
+    )
+    return merge(results).out.to(query.dtype)
 
 
 def _attend_blocks(

@@ -37,7 +37,7 @@ from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
 from kvtier.hf.stream import Piece, Streamer, cut_pieces
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
-from kvtier.kv.spec import check_exact, check_update
+from kvtier.kv.spec import check_exact, check_update, sliding_windows
 from kvtier.manager import KVManager
 from kvtier.tiers.base import ChunkLostError, TierStats
 from kvtier.tiers.pool import PoolTier, device_tier
@@ -251,6 +251,8 @@ class TieredCache(SelfManagedCache):
         # Refuse, with the reason, a model this cache cannot run exactly (before any state).
         heads = KVLayout.from_model_config(model_config, dtype, chunk_tokens)
         self.layer_specs = check_exact(model, heads.num_kv_heads, heads.head_dim)
+        # Per layer: the sliding window attention must keep to, or None (whole history).
+        self.windows = sliding_windows(model, self.layer_specs)
         self.model_type = str(getattr(model_config, "model_type", type(model).__name__))
         if manager is None:
             from kvtier.models import model_identity

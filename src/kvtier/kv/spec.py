@@ -138,19 +138,10 @@ def check_exact(model: Any, num_kv_heads: int, head_dim: int) -> list[LayerSpec]
     if callable(can_set) and not can_set():  # transformers' own test of its modelling code
         raise refuse("its attention does not go through transformers' AttentionInterface")
     specs = layer_specs(model)
-    context = int(getattr(text, "max_position_embeddings", 0) or 0)
     other = [s for s in specs if s.attention not in (FULL, SLIDING)]
     if other:
         kinds = sorted({s.attention for s in other})
         raise refuse(f"{_layers([s.layer_idx for s in other])} with {', '.join(kinds)}")
-    sliding = [s for s in specs if s.window is not None and (not context or s.window < context)]
-    if sliding:
-        window = sliding[0].window
-        raise refuse(
-            f"{_layers([s.layer_idx for s in sliding])} over a sliding window of "
-            f"{window} tokens, shorter than its {context}-token context, and kvtier does not "
-            "implement sliding windows yet"
-        )
     modules = _attention_modules(model)
     if any(getattr(m, "attn_logit_softcapping", None) is not None for m in modules.values()):
         raise refuse("its attention soft-caps the logits")
@@ -168,6 +159,16 @@ def check_exact(model: Any, num_kv_heads: int, head_dim: int) -> list[LayerSpec]
                 "config so it describes the modules"
             )
     return specs
+
+
+def sliding_windows(model: Any, specs: list[LayerSpec]) -> list[int | None]:
+    """Per layer, the window its attention must keep to; None where it sees the whole
+    history (full attention, or a window no shorter than the context)."""
+    context = int(getattr(_text_config(model), "max_position_embeddings", 0) or 0)
+    return [
+        s.window if s.window is not None and (not context or s.window < context) else None
+        for s in specs
+    ]
 
 
 def check_update(
