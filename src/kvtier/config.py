@@ -9,16 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.policy.eviction import EVICTION_POLICIES
+from kvtier.validate import check_int
 
 GiB = 1 << 30
 MiB = 1 << 20
 
 WRITE_POLICIES = ("write_through", "write_back")
-
-
-def _check_int(name: str, value: object, minimum: int = 0) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
 def _check_policy(name: str, value: str) -> None:
@@ -45,7 +41,7 @@ class LinkConfig:
             raise ValueError(f"link.gbps: must be > 0 GB/s or None (unthrottled), got {self.gbps}")
         if not self.latency_ms >= 0:
             raise ValueError(f"link.latency_ms: must be >= 0, got {self.latency_ms}")
-        _check_int("link.max_inflight_bytes", self.max_inflight_bytes, 1)
+        check_int("link.max_inflight_bytes", self.max_inflight_bytes, 1)
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,7 @@ class DeviceConfig:
     eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
-        _check_int("device.budget_bytes", self.budget_bytes)
+        check_int("device.budget_bytes", self.budget_bytes)
         _check_policy("device.eviction_policy", self.eviction_policy)
 
 
@@ -70,7 +66,7 @@ class HostConfig:
     eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
-        _check_int("host.capacity_bytes", self.capacity_bytes)
+        check_int("host.capacity_bytes", self.capacity_bytes)
         _check_policy("host.eviction_policy", self.eviction_policy)
 
 
@@ -99,8 +95,8 @@ class DiskConfig:
     def __post_init__(self) -> None:
         if self.path is not None and not str(self.path).strip():
             raise ValueError("disk.path: must be a directory path or None (no disk tier)")
-        _check_int("disk.capacity_bytes", self.capacity_bytes)
-        _check_int("disk.write_buffers", self.write_buffers)
+        check_int("disk.capacity_bytes", self.capacity_bytes)
+        check_int("disk.write_buffers", self.write_buffers)
         _check_policy("disk.eviction_policy", self.eviction_policy)
 
 
@@ -128,7 +124,7 @@ class ManagerConfig:
     host_disk_link: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self) -> None:
-        _check_int("chunk_tokens", self.chunk_tokens, 1)
+        check_int("chunk_tokens", self.chunk_tokens, 1)
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"write_policy: unknown {self.write_policy!r}; accepted: {list(WRITE_POLICIES)}"
@@ -166,8 +162,8 @@ class TieredCacheConfig:
     device: str | None = None
 
     def __post_init__(self) -> None:
-        _check_int("device_budget_bytes", self.device_budget_bytes)
-        _check_int("staging_bytes", self.staging_bytes, 1)
-        _check_int("lookahead", self.lookahead)
-        _check_int("sink_chunks", self.sink_chunks)
-        _check_int("query_block_tokens", self.query_block_tokens, 1)
+        check_int("device_budget_bytes", self.device_budget_bytes)
+        check_int("staging_bytes", self.staging_bytes, 1)
+        check_int("lookahead", self.lookahead)
+        check_int("sink_chunks", self.sink_chunks)
+        check_int("query_block_tokens", self.query_block_tokens, 1)

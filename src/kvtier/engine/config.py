@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
+from kvtier.validate import check_int, check_number, is_int
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,9 @@ class EngineConfig:
         return min(self.max_batch_size, self.total_device_budget_bytes // per_sequence)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
-            raise ValueError(
-                f"max_batch_size: must be an integer >= 1, got {self.max_batch_size!r}"
-            )
+        check_int("max_batch_size", self.max_batch_size, 1)
         if self.device_budget_bytes is not None and (
-            not _is_int(self.device_budget_bytes)
+            not is_int(self.device_budget_bytes)
             or self.device_budget_bytes < self.cache.device_budget_bytes
         ):
             raise ValueError(
@@ -78,34 +76,7 @@ class EngineConfig:
                 f"({self.cache.device_budget_bytes}, one sequence) or None, "
                 f"got {self.device_budget_bytes!r}"
             )
-        if self.prefill_tokens_per_step is not None and (
-            not _is_int(self.prefill_tokens_per_step) or self.prefill_tokens_per_step < 1
-        ):
-            raise ValueError(
-                f"prefill_tokens_per_step: must be an integer >= 1 or None (one chunk), "
-                f"got {self.prefill_tokens_per_step!r}"
-            )
-        if self.preempt_after_s is not None and (
-            isinstance(self.preempt_after_s, bool)
-            or not isinstance(self.preempt_after_s, (int, float))
-            or self.preempt_after_s < 0
-        ):
-            raise ValueError(
-                f"preempt_after_s: must be a number >= 0 or None (never), "
-                f"got {self.preempt_after_s!r}"
-            )
-        if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int):
-            raise ValueError(f"max_queued: must be an integer >= 1, got {self.max_queued!r}")
-        if self.max_queued < 1:
-            raise ValueError(f"max_queued: must be an integer >= 1, got {self.max_queued!r}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 2
-        ):
-            raise ValueError(
-                f"max_model_len: must be an integer >= 2 or None (the model's), "
-                f"got {self.max_model_len!r}"
-            )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        check_int("prefill_tokens_per_step", self.prefill_tokens_per_step, 1, none="one chunk")
+        check_number("preempt_after_s", self.preempt_after_s, 0, none="never")
+        check_int("max_queued", self.max_queued, 1)
+        check_int("max_model_len", self.max_model_len, 2, none="the model's")

@@ -8,13 +8,14 @@ event in handle``) or from an asyncio loop (``async for event in handle.events()
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from kvtier.validate import is_int, is_number
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -91,16 +92,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+        if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ParamError(
                 "temperature",
                 f"must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}",
             )
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ParamError("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ParamError("top_k", f"must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ParamError(
@@ -111,14 +112,14 @@ class SamplingParams:
                 "stop", f"must be non-empty strings of at most {MAX_STOP_CHARS} characters"
             )
         if self.seed is not None and (
-            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+            not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
             raise ParamError(
                 "seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {self.seed!r}"
             )
 
         if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ParamError(
                 "logprobs",
@@ -128,20 +129,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    """A real, finite number (not a bool, not NaN or infinity)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
 
 
 @dataclass(frozen=True)
@@ -365,6 +352,6 @@ def as_prompt_ids(prompt_ids: Sequence[int]) -> tuple[int, ...]:
     ids = tuple(prompt_ids)
     if not ids:
         raise ParamError("prompt", "must have at least one token")
-    if any(not _is_int(t) or t < 0 for t in ids):
+    if any(not is_int(t) or t < 0 for t in ids):
         raise ParamError("prompt", "token ids must be integers >= 0")
     return ids

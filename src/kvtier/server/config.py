@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import MiB
+from kvtier.validate import check_int
 
 KEYS_ENV = "KVTIER_API_KEYS"
 """Environment variable with API keys, separated by commas (kept out of ``ps``)."""
@@ -47,12 +48,8 @@ class ServerConfig:
             raise ValueError("salt_by_key: needs at least one API key (--api-key-file)")
         if self.metrics_need_key and not self.api_keys:
             raise ValueError("metrics_need_key: needs at least one API key (--api-key-file)")
-        for name in ("max_body_bytes", "max_prompt_chars"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        check_int("max_body_bytes", self.max_body_bytes, 1, none="from the prompt cap")
+        check_int("max_prompt_chars", self.max_prompt_chars, 1, none="64 per context token")
 
     def prompt_chars_limit(self, max_model_len: int) -> int:
         """The character cap on text prompts for a model of ``max_model_len`` tokens."""
