@@ -12,12 +12,7 @@ filesystem), fsync on (``kvtier serve``'s default).
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -26,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import base_parser, machine_info, print_machine, write_json
+from kvtier.bench.serve import Server, ServerConfig
 
 POLICIES = ("write_through", "write_back")
 WORDS = [
@@ -66,36 +62,6 @@ def prompts(count: int, words: int, seed: int) -> list[str]:
     return [f"Log {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def serve(
-    model: str, disk: Path, port: int, policy: str, chunk_tokens: int, log: Path
-) -> subprocess.Popen[bytes]:
-    """``kvtier serve`` on ``disk`` with ``policy``; returns once /health answers."""
-    command = [sys.executable, "-m", "kvtier.cli", "serve", "--model", model]
-    command += ["--port", str(port), "--disk-dir", str(disk), "--write-policy", policy]
-    command += ["--chunk-tokens", str(chunk_tokens), "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "ab") as err:
-        process = subprocess.Popen(command, env=env, stdout=err, stderr=err)
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
-                if reply.status == 200:
-                    return process
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"kvtier serve did not start; see {log}:\n{log.read_text()}")
-        time.sleep(0.2)
-
-
 def served_model(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as reply:
         return str(json.loads(reply.read())["data"][0]["id"])
@@ -130,23 +96,37 @@ def run_policy(
     chunk_tokens: int = 16,
 ) -> dict[str, Any]:
     """Serve ``texts``, wait ``settle_s``, kill -9, restart, serve them again."""
-    disk, log = workdir / f"kv-{policy}", workdir / f"serve-{policy}.log"
-    port = free_port()
-    first_server = serve(model, disk, port, policy, chunk_tokens, log)
+    # kvtier serve's defaults, with a disk tier and this policy; a restart is a new process
+    # on the same configuration, so on the same disk folder.
+    config = ServerConfig(
+        name=policy,
+        device_budget_mb=128,
+        max_batch_size=8,
+        host_mb=1024,
+        chunk_tokens=chunk_tokens,
+        max_queued=64,
+        disk_mb=32 * 1024,
+    )
+
+    def start() -> Server:
+        server = Server(config, workdir, model, timeout_s=180)
+        server.command += ["--write-policy", policy]
+        server.start()
+        return server
+
+    first_server = start()
     try:
-        first = [complete(port, text, max_tokens) for text in texts]
+        first = [complete(first_server.port, text, max_tokens) for text in texts]
         time.sleep(settle_s)  # everything sealed is now older than settle_s
     finally:
-        os.kill(first_server.pid, signal.SIGKILL)
-        first_server.wait()
-    second_server = serve(model, disk, port, policy, chunk_tokens, log)
+        first_server.kill()  # SIGKILL
+    second_server = start()
     try:
-        start = time.perf_counter()
-        again = [complete(port, text, max_tokens) for text in texts]
-        resend_s = time.perf_counter() - start
+        start_s = time.perf_counter()
+        again = [complete(second_server.port, text, max_tokens) for text in texts]
+        resend_s = time.perf_counter() - start_s
     finally:
-        second_server.send_signal(signal.SIGTERM)
-        second_server.wait(timeout=120)
+        second_server.stop()
     cacheable = sum(chunk_tokens * ((r["prompt_tokens"] - 1) // chunk_tokens) for r in first)
     cached = sum(r["cached_tokens"] for r in again)
     return {

@@ -280,34 +280,16 @@ def _attend_windowed(
         if max(chunks) >= 0 and (max(chunks) + 1) * size > oldest:
             k = keys[:, plan.resident_slots].reshape(heads, -1, dim)
             v = values[:, plan.resident_slots].reshape(heads, -1, dim)
-            batch = query.shape[0]
-            results.append(
-                attend_segment(
-                    query,
-                    k.unsqueeze(0).expand(batch, *k.shape),
-                    v.unsqueeze(0).expand(batch, *v.shape),
-                    scale,
-                    valid_mask=plan.resident_valid,
-                    mask=in_window(chunk_positions(chunks)),
-                )
-            )
+            mask = in_window(chunk_positions(chunks))
+            results.append(_attend_sealed(query, k, v, scale, plan.resident_valid, mask))
     streamer = cache.streamer
     assert streamer is not None
     for j, index in enumerate(plan.pieces_by_layer[view.layer_idx] if plan.pieces else []):
         piece = plan.pieces[index]
         keys, values = streamer.acquire(index)  # [H, n*T, D]
         if (max(piece.chunk_idx) + 1) * size > oldest:
-            batch = query.shape[0]
-            results.append(
-                attend_segment(
-                    query,
-                    keys.unsqueeze(0).expand(batch, *keys.shape),
-                    values.unsqueeze(0).expand(batch, *values.shape),
-                    scale,
-                    valid_mask=plan.piece_valid[j],
-                    mask=in_window(chunk_positions(list(piece.chunk_idx))),
-                )
-            )
+            mask = in_window(chunk_positions(list(piece.chunk_idx)))
+            results.append(_attend_sealed(query, keys, values, scale, plan.piece_valid[j], mask))
         streamer.release(index)
     recent_len = view.recent_key.shape[2]
     recent_pos = torch.arange(view.recent_start, view.recent_start + recent_len, device=device)
@@ -341,12 +323,25 @@ def _attend_blocks(
     Sealed chunks precede every query, so no causal rule applies; ``valid [B, n*T]`` masks
     padding and tokens of other rows.
     """
+    for i, start in enumerate(starts):
+        q = query[:, :, start : start + block]
+        partial[i].append(_attend_sealed(q, keys, values, scale, valid))
+
+
+def _attend_sealed(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    valid: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
+) -> SegmentResult:
+    """``query [B, Hq, Sq, D]`` over sealed chunks ``[H, n*T, D]`` shared by the batch
+    (broadcast, not copied); ``valid [B, n*T]`` masks padding and other rows' tokens."""
     batch = query.shape[0]
     k = keys.unsqueeze(0).expand(batch, *keys.shape)
     v = values.unsqueeze(0).expand(batch, *values.shape)
-    for i, start in enumerate(starts):
-        q = query[:, :, start : start + block]
-        partial[i].append(attend_segment(q, k, v, scale, valid_mask=valid))
+    return attend_segment(query, k, v, scale, valid_mask=valid, mask=mask)
 
 
 def _capture_ids_hook(
