@@ -23,7 +23,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 
 typecheck: $(STAMP)
-	$(BIN)/mypy src/kvtier
+	$(BIN)/mypy src/kvtier benchmarks/kvbench
 
 unit: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -1,8 +1,8 @@
-"""Prompt KV reused after ``kill -9``: write-through vs write-back (``kvtier bench crash``)."""
+"""``kvtier bench crash`` as a script; the code is ``kvbench.crash``."""
 
 from __future__ import annotations
 
-from kvtier.bench.crash import main
+from kvbench.crash import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,9 +1,8 @@
-"""Long-context decode step time at a device budget vs the bound and the baselines
-(``kvtier bench decode``)."""
+"""``kvtier bench decode`` as a script; the code is ``kvbench.decode``."""
 
 from __future__ import annotations
 
-from kvtier.bench.decode import main
+from kvbench.decode import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,9 +1,8 @@
-"""Interleaved multi-turn users: next-round time to first token with kvtier's reuse vs
-recompute (``kvtier bench multiturn``)."""
+"""``kvtier bench multiturn`` as a script; the code is ``kvbench.multiturn``."""
 
 from __future__ import annotations
 
-from kvtier.bench.multiturn import main
+from kvbench.multiturn import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

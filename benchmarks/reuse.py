@@ -1,9 +1,8 @@
-"""Next-turn time to first token with the history's KV reused from host or disk vs
-recompute (``kvtier bench reuse``)."""
+"""``kvtier bench reuse`` as a script; the code is ``kvbench.reuse``."""
 
 from __future__ import annotations
 
-from kvtier.bench.reuse import main
+from kvbench.reuse import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

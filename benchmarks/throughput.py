@@ -1,9 +1,8 @@
-"""Offline generation tokens/s: continuous batching vs transformers static batching
-(``kvtier bench throughput``)."""
+"""``kvtier bench throughput`` as a script; the code is ``kvbench.throughput``."""
 
 from __future__ import annotations
 
-from kvtier.bench.throughput import main
+from kvbench.throughput import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

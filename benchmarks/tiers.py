@@ -1,8 +1,8 @@
-"""Put/get throughput per tier against same-run memcpy and O_DIRECT (``kvtier bench tiers``)."""
+"""``kvtier bench tiers`` as a script; the code is ``kvbench.tiers``."""
 
 from __future__ import annotations
 
-from kvtier.bench.tiers import main
+from kvbench.tiers import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.common import machine_info
 from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig, TieredCacheConfig
 from kvtier.hf import TieredCache
 from kvtier.hf.generate import GenerateResult, generate, generate_resident
 from kvtier.kv import KVLayout
+from kvtier.machine import machine_info
 from kvtier.manager import KVManager
 from kvtier.models import chat_ids, load_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.bench.multiturn import (
+from kvbench.multiturn import (
     CHUNK_TOKENS,
     FIRST_TOKEN_ID,
     NEW_TOKENS,

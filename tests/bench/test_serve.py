@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import BENCHMARKS
-from kvtier.bench.serve import (
+from kvbench import BENCHMARKS
+from kvbench.serve import (
     main,
     parse_args,
     same_texts,

@@ -1,4 +1,4 @@
-"""``kvtier.bench.serve_client``: the streaming client and ``/metrics`` against a scripted
+"""``kvbench.serve_client``: the streaming client and ``/metrics`` against a scripted
 server, and the figures from replies and counters."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from kvtier.bench.serve_client import (
+from kvbench.serve_client import (
     Reply,
     metric_figures,
     parse_metrics,
@@ -21,7 +21,7 @@ from kvtier.bench.serve_client import (
     scrape_metrics,
     stream_completion,
 )
-from kvtier.bench.trace import ReplayRequest
+from kvbench.trace import ReplayRequest
 
 METRICS_BEFORE = """# HELP kvtier_prompt_tokens_total prompt tokens
 # TYPE kvtier_prompt_tokens_total counter

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.bench import multiturn, serve
+from kvbench import multiturn, serve
 from tests.engine.tiny import embedded_tokenizer, tiny_model
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``kvtier.bench.trace``: reading the trace, conversations, the sampled window, token ids
+"""``kvbench.trace``: reading the trace, conversations, the sampled window, token ids
 and scaling, and how much prefix a window shares."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.bench.trace import (
+from kvbench.trace import (
     DEFAULT_TRACE,
     TOKEN_ID_RANGE,
     Scaling,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.crash import prompts, run_policy
+from kvbench.crash import prompts, run_policy
 from tests.engine.tiny import embedded_tokenizer, tiny_model
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import base_parser, machine_info, median, print_machine, write_json
 from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
 from kvtier.engine import LLM, EngineConfig, SamplingParams
 from kvtier.models import load_model

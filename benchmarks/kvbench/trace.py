@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[3].parent / "shared/traces/conversation_trace.jsonl"
+    Path(__file__).resolve().parents[2].parent / "shared/traces/conversation_trace.jsonl"
 )
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the trace
 # Ids drawn for the blocks: below 30000, so any llama-family vocabulary (>= 32000) holds them,

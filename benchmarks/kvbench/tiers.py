@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.common import (
+from kvbench.common import (
     base_parser,
     interleave,
     machine_info,

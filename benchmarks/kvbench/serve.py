@@ -39,8 +39,8 @@ one after another on the same window (``--repeats`` alternates them A B C A B C)
 
 Summary: reused tokens and p50 TTFT of each configuration ÷ ``device_only``'s.
 
-Modules: the trace and the window are ``kvtier.bench.trace``; the streaming client, the
-replay and ``/metrics`` are ``kvtier.bench.serve_client``; this module is the flow: the three
+Modules: the trace and the window are ``kvbench.trace``; the streaming client, the
+replay and ``/metrics`` are ``kvbench.serve_client``; this module is the flow: the three
 server configurations, starting and stopping ``kvtier serve``, one replay per configuration,
 the summary, the printed table and the JSON.
 """
@@ -65,8 +65,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
-from kvtier.bench.serve_client import (
+from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.serve_client import (
     MODEL_NAME,
     Reply,
     metric_figures,
@@ -75,7 +75,7 @@ from kvtier.bench.serve_client import (
     scrape_metrics,
     stream_completion,
 )
-from kvtier.bench.trace import (
+from kvbench.trace import (
     DEFAULT_TRACE,
     TOKEN_ID_RANGE,
     ReplayRequest,

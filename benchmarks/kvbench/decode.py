@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
-from kvtier.bench.setup import (
+from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.setup import (
     BenchModel,
     DecodeRun,
     StepClock,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.tiers import memcpy_gbps
+from kvbench.tiers import memcpy_gbps
 from kvtier.hf.generate import TokenClock
 from kvtier.kv.layout import DTYPES, KVLayout
 from kvtier.models import load_model, model_identity, random_model

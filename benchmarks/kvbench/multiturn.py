@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import base_parser, machine_info, median, print_machine, write_json
 from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.kv import KVLayout

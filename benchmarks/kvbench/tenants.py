@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.bench.common import base_parser, machine_info, median, print_machine, write_json
-from kvtier.bench.serve import Server, ServerConfig
-from kvtier.bench.serve_client import MODEL_NAME
+from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.serve import Server, ServerConfig
+from kvbench.serve_client import MODEL_NAME
 
 KEYS = {"a": "sk-bench-tenant-a", "b": "sk-bench-tenant-b"}
 CASES = ("other", "same", "fresh")

@@ -1,50 +1,27 @@
-"""What every benchmark shares: machine description, interleaved timing, JSON output."""
+"""What every benchmark shares: interleaved timing, flags and JSON output (the machine
+description is ``kvtier.machine``'s, which ``kvtier run`` prints too)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from kvtier.machine import machine_info, print_machine
 
-
-def machine_info(links: dict[str, str] | None = None) -> dict[str, Any]:
-    """The machine a run happened on, for the report header and the JSON."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no GPU)"
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
-        "python": platform.python_version(),
-        "links": links or {},
-    }
-
-
-def print_machine(info: dict[str, Any]) -> None:
-    print(
-        f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
-        f"({info['torch_threads']} threads), device {info['device']}"
-    )
-    for name, desc in info["links"].items():
-        print(f"  link {name}: {desc}")
+__all__ = [
+    "base_parser",
+    "interleave",
+    "machine_info",
+    "median",
+    "print_machine",
+    "timed",
+    "write_json",
+]
 
 
 def timed(fn: Callable[[], object]) -> float:

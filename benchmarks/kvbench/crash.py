@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import base_parser, machine_info, print_machine, write_json
-from kvtier.bench.serve import Server, ServerConfig
+from kvbench.common import base_parser, machine_info, print_machine, write_json
+from kvbench.serve import Server, ServerConfig
 
 POLICIES = ("write_through", "write_back")
 WORDS = [

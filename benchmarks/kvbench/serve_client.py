@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.bench.trace import ReplayRequest
+from kvbench.trace import ReplayRequest
 
 MODEL_NAME = "kvtier-bench"  # the name the server serves and every request asks for
 
