@@ -83,3 +83,39 @@ def test_the_server_answers_with_the_engines_tokens(engine: Engine) -> None:
             assert text == expected and streamed == expected
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_kvtier_serve_serves_a_hybrid_model_folder(
+    hybrid: Any, tokenizer: Any, tmp_path: Any
+) -> None:
+    from openai import OpenAI
+
+    from tests.server.test_serve_command import free_port, start, stop
+
+    folder = tmp_path / "gemma3"
+    hybrid.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    port = free_port()
+    process = start(folder, tmp_path / "kv", port, "--served-model-name", NAME)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        texts = [
+            client.completions.create(
+                model=NAME,
+                prompt=p,
+                max_tokens=20,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+            for p in PROMPTS[:2]
+        ]
+    finally:
+        stop(process)
+    with Engine.from_pretrained(str(folder), engine_config(max_batch_size=2)) as loaded:
+        outs = [loaded.submit(p, GREEDY).result() for p in PROMPTS[:2]]
+    for out, prompt, text in zip(outs, PROMPTS[:2], texts, strict=True):
+        assert out.token_ids == reference_tokens(hybrid, prompt, GREEDY.max_tokens)
+        assert text == out.text
