@@ -193,3 +193,18 @@ def test_keys_that_disagree_with_the_layout_are_refused_at_the_first_update() ->
     cache = TieredCache(model, chunk_tokens=CHUNK)
     with pytest.raises(UnsupportedModelError, match=r"^gpt_neox: layer 0 produced keys of "):
         model.generate(prompt(), cache=cache, **GREEDY)
+
+
+def test_sliding_layers_stream_only_the_chunks_their_window_reaches() -> None:
+    ids = prompt()
+    streamed: dict[int | None, int] = {}
+    for window in (None, 32):
+        model = random_model("mistral", seed=2, sliding_window=window)
+        cache = TieredCache(model, config_for(model, 1), chunk_tokens=CHUNK)
+        with torch.no_grad():
+            model.generate(ids, cache=cache, **GREEDY)
+        streamed[window] = cache.stats().link.bytes
+    layout = KVLayout.from_model_config(random_model("mistral").config, torch.float32, CHUNK)
+    steps = GREEDY["max_new_tokens"]
+    # A 32-token window reaches at most 3 chunks of 16 before the tail (every layer slides).
+    assert streamed[32] <= steps * 3 * layout.chunk_nbytes < streamed[None]

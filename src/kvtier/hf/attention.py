@@ -215,9 +215,10 @@ def _attend_layer(
         _attend_blocks(partial, query, starts, block, keys, values, plan.resident_valid, scale)
     streamer = cache.streamer
     assert streamer is not None
-    for j, index in enumerate(plan.pieces_by_layer[view.layer_idx] if plan.pieces else []):
+    for index in plan.pieces_by_layer[view.layer_idx] if plan.pieces else []:
         keys, values = streamer.acquire(index)  # [H, n*T, D]
-        _attend_blocks(partial, query, starts, block, keys, values, plan.piece_valid[j], scale)
+        valid = plan.piece_valid[index]
+        _attend_blocks(partial, query, starts, block, keys, values, valid, scale)
         streamer.release(index)
     recent_len = view.recent_key.shape[2]
     valid_mask = cache.recent_valid(view.recent_start, recent_len)
@@ -284,12 +285,13 @@ def _attend_windowed(
             results.append(_attend_sealed(query, k, v, scale, plan.resident_valid, mask))
     streamer = cache.streamer
     assert streamer is not None
-    for j, index in enumerate(plan.pieces_by_layer[view.layer_idx] if plan.pieces else []):
+    for index in plan.pieces_by_layer[view.layer_idx] if plan.pieces else []:
         piece = plan.pieces[index]
         keys, values = streamer.acquire(index)  # [H, n*T, D]
         if (max(piece.chunk_idx) + 1) * size > oldest:
             mask = in_window(chunk_positions(list(piece.chunk_idx)))
-            results.append(_attend_sealed(query, keys, values, scale, plan.piece_valid[j], mask))
+            valid = plan.piece_valid[index]
+            results.append(_attend_sealed(query, keys, values, scale, valid, mask))
         streamer.release(index)
     recent_len = view.recent_key.shape[2]
     recent_pos = torch.arange(view.recent_start, view.recent_start + recent_len, device=device)

@@ -99,7 +99,7 @@ class _Plan:
     host_pins: list[ChunkRef] = field(default_factory=list)
     resident_valid: torch.Tensor | None = None  # [B, (hi - lo) * T]; None: all valid
     resident_slots: slice = field(default_factory=lambda: slice(0, 0))  # slots attention reads
-    piece_valid: list[torch.Tensor | None] = field(default_factory=list)  # [B, n * T]
+    piece_valid: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by piece, [B, n*T]
     recent_valid: tuple[tuple[int, int], torch.Tensor | None] | None = None
     sealed_before: int = 0
     tail_before: int = 0
@@ -539,13 +539,16 @@ class TieredCache(SelfManagedCache):
             resident[row, slot - lo] = valid[row, chunk * size : (chunk + 1) * size]
         plan.resident_slots = slice(lo, hi)
         plan.resident_valid = self._flat_mask(resident)
-        plan.piece_valid = []
-        for index in plan.pieces_by_layer[0] if plan.pieces_by_layer else []:
-            piece = plan.pieces[index]
-            mask = torch.zeros(rows, len(piece.host_slots), size, dtype=torch.bool)
-            for j, (row, chunk) in enumerate(zip(piece.rows, piece.chunk_idx, strict=True)):
-                mask[row, j] = valid[row, chunk * size : (chunk + 1) * size]
-            plan.piece_valid.append(self._flat_mask(mask))
+        plan.piece_valid = {}
+        masks: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor | None] = {}
+        for index, piece in enumerate(plan.pieces):  # layers share most pieces' chunks
+            key = (piece.rows, piece.chunk_idx)
+            if key not in masks:
+                mask = torch.zeros(rows, len(piece.host_slots), size, dtype=torch.bool)
+                for j, (row, chunk) in enumerate(zip(*key, strict=True)):
+                    mask[row, j] = valid[row, chunk * size : (chunk + 1) * size]
+                masks[key] = self._flat_mask(mask)
+            plan.piece_valid[index] = masks[key]
 
     def _flat_mask(self, mask: torch.Tensor) -> torch.Tensor | None:
         """``[B, S, T]`` → ``[B, S*T]`` on the device, or None when every token is visible."""
@@ -656,11 +659,18 @@ class TieredCache(SelfManagedCache):
         self.valid = torch.cat(
             [self.valid.reshape(rows, -1), torch.ones(rows, new_tokens, dtype=torch.bool)], 1
         )
+        # A sliding layer's queries see no key before (first query - window + 1).
+        first_chunk = [
+            max(0, (self.seq_len - window + 1) // size) if window is not None else 0
+            for window in self.windows
+        ]
         self.seq_len += new_tokens
         full = (self.tail_len + new_tokens) // size
         if self.tail_len + new_tokens > size:
             self._ensure_open(rows, full)
-        plan.pieces = cut_pieces(self.layout.num_layers, streamed, self.streamer.piece_chunks)
+        plan.pieces = cut_pieces(
+            self.layout.num_layers, streamed, self.streamer.piece_chunks, first_chunk
+        )
         per_layer: list[list[int]] = [[] for _ in range(self.layout.num_layers)]
         for index, piece in enumerate(plan.pieces):
             per_layer[piece.layer_idx].append(index)

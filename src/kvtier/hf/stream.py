@@ -42,13 +42,22 @@ class Piece:
 
 
 def cut_pieces(
-    num_layers: int, chunks: list[tuple[int, int, int]], piece_chunks: int
+    num_layers: int,
+    chunks: list[tuple[int, int, int]],
+    piece_chunks: int,
+    first_chunk: list[int] | None = None,
 ) -> list[Piece]:
-    """Pieces for every layer, layer-major, from ``(host_slot, row, chunk_idx)`` triples."""
+    """Pieces for every layer, layer-major, from ``(host_slot, row, chunk_idx)`` triples.
+
+    ``first_chunk[layer]``: the layer needs no chunk before this index (a sliding-window
+    layer whose window starts later), so its pieces leave them out.
+    """
     pieces = []
     for layer in range(num_layers):
-        for start in range(0, len(chunks), piece_chunks):
-            group = chunks[start : start + piece_chunks]
+        first = first_chunk[layer] if first_chunk is not None else 0
+        needed = [c for c in chunks if c[2] >= first] if first else chunks
+        for start in range(0, len(needed), piece_chunks):
+            group = needed[start : start + piece_chunks]
             pieces.append(
                 Piece(
                     layer,
