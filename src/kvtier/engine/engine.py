@@ -35,7 +35,7 @@ from kvtier.engine.request import (
     TokenLogprobs,
     as_prompt_ids,
 )
-from kvtier.engine.sampling import TextStream
+from kvtier.engine.sampling import TextStream, eos_ids
 from kvtier.engine.stats import EngineCounters, EngineStats
 from kvtier.hf import TieredCache
 from kvtier.hf.cache import CacheStats
@@ -86,7 +86,7 @@ class Engine:
         text_config = model.config.get_text_config()
         self.max_model_len = self.config.max_model_len or int(text_config.max_position_embeddings)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self._owns_manager = manager is None
         if manager is None:
             dtype = next(model.parameters()).dtype
@@ -389,17 +389,3 @@ class Engine:
 
 # How long a worker still inside a step after a drain timeout gets to reach the next step.
 _CANCEL_GRACE_S = 5.0
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """End-of-sequence ids: the generation config's (one or a list) and the tokenizer's."""
-    ids: set[int] = set()
-    generation = getattr(model, "generation_config", None)
-    configured = getattr(generation, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif isinstance(configured, (list, tuple)):
-        ids.update(int(t) for t in configured)
-    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

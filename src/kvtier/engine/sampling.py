@@ -159,3 +159,17 @@ class TextStream:
                     longest = k
                     break
         return longest
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids: the generation config's (one or a list) and the tokenizer's."""
+    ids: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, (list, tuple)):
+        ids.update(int(t) for t in configured)
+    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
