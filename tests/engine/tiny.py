@@ -7,6 +7,7 @@ weights are random and tiny, so generation runs in milliseconds per token on a C
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,6 +43,14 @@ def embedded_tokenizer() -> Any:
 
 def tiny_model(tokenizer: Any, seed: int = 0) -> Any:
     return random_model("llama", seed=seed, vocab_size=len(tokenizer))
+
+
+def save_folder(folder: Path, tokenizer: Any, model: Any = None) -> Path:
+    """An HF model folder (``kvtier serve --model`` loads it): ``model`` (default: the tiny
+    llama) with ``tokenizer``."""
+    (model if model is not None else tiny_model(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def engine_config(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.crash import prompts, run_policy
-from tests.engine.tiny import embedded_tokenizer, tiny_model
+from tests.engine.tiny import embedded_tokenizer, save_folder
 
 pytestmark = pytest.mark.slow
 
@@ -17,8 +17,7 @@ pytestmark = pytest.mark.slow
 def test_write_through_survives_kill_9(tmp_path: Path) -> None:
     tokenizer = embedded_tokenizer()
     folder = tmp_path / "tiny"
-    tiny_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_folder(folder, tokenizer)
     texts = prompts(4, 60, seed=1)  # distinct: every reused token comes from disk
     result = run_policy(str(folder), tmp_path, "write_through", texts, settle_s=2.5)
     assert result["cacheable_tokens"] > 0

@@ -18,7 +18,7 @@ from openai import OpenAI
 from kvtier.kv import KVLayout
 from kvtier.models import model_config
 from kvtier.tiers import DiskTier
-from tests.engine.tiny import CHUNK, embedded_tokenizer, tiny_model
+from tests.engine.tiny import CHUNK, embedded_tokenizer, save_folder
 from tests.server.test_serve_command import free_port, start, stop
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,7 @@ def metric(port: int, name: str, label: str) -> float:
 def test_corrupt_disk_kv_is_recomputed_without_a_5xx(tmp_path: Path) -> None:
     tokenizer = embedded_tokenizer()
     folder = tmp_path / "tiny"
-    tiny_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_folder(folder, tokenizer)
     disk = tmp_path / "kv"
     name = ("--served-model-name", "tiny")
     process = start(folder, disk, free_port(), *name)

@@ -13,7 +13,7 @@ from kvtier.engine import Engine, SamplingParams
 from kvtier.models import random_model
 from kvtier.server import create_app
 from kvtier.server.config import ServerConfig
-from tests.engine.tiny import engine_config, reference_tokens
+from tests.engine.tiny import engine_config, reference_tokens, save_folder
 from tests.server.live import ServerThread
 
 NAME = "tiny-gemma3"
@@ -94,8 +94,7 @@ def test_kvtier_serve_serves_a_hybrid_model_folder(
     from tests.server.test_serve_command import free_port, start, stop
 
     folder = tmp_path / "gemma3"
-    hybrid.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_folder(folder, tokenizer, hybrid)
     port = free_port()
     process = start(folder, tmp_path / "kv", port, "--served-model-name", NAME)
     try:

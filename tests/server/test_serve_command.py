@@ -19,7 +19,7 @@ import pytest
 from openai import OpenAI
 
 from kvtier.engine import Engine, SamplingParams
-from tests.engine.tiny import embedded_tokenizer, engine_config, tiny_model
+from tests.engine.tiny import embedded_tokenizer, engine_config, save_folder
 
 pytestmark = pytest.mark.slow
 
@@ -68,8 +68,7 @@ def stop(process: subprocess.Popen[str]) -> str:
 def test_sigterm_drains_streams_and_a_restarted_engine_reuses_the_kv(tmp_path: Path) -> None:
     tokenizer = embedded_tokenizer()
     folder = tmp_path / "tiny"
-    tiny_model(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    save_folder(folder, tokenizer)
     disk = tmp_path / "kv"
     port = free_port()
     process = start(folder, disk, port)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from tests.engine.tiny import embedded_tokenizer, tiny_model
+from tests.engine.tiny import embedded_tokenizer, save_folder
 from tests.server.test_serve_command import free_port, start
 
 pytestmark = pytest.mark.slow
@@ -31,8 +31,7 @@ MB = 1 << 20
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = embedded_tokenizer()
     path = tmp_path_factory.mktemp("tiny")
-    tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_folder(path, tokenizer)
     return path
 
 

@@ -29,7 +29,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier import __version__
-from kvtier.engine import Completion, Engine, ParamError, RequestHandle, TokenEvent
+from kvtier.engine import (
+    Completion,
+    Engine,
+    ParamError,
+    RequestHandle,
+    TokenEvent,
+    TokenLogprobs,
+)
 from kvtier.server import errors
 from kvtier.server.config import ServerConfig
 from kvtier.server.errors import APIError
@@ -185,14 +192,14 @@ def create_app(engine: Engine, model_name: str, config: ServerConfig | None = No
     return app
 
 
-def _one(event: TokenEvent) -> list[tuple[int, Any]]:
+def _one(event: TokenEvent) -> list[tuple[int, TokenLogprobs]]:
     """The event's token with its log-probabilities, when it carries both."""
     if event.token_id is None or event.logprobs is None:
         return []
     return [(event.token_id, event.logprobs)]
 
 
-def _all(completion: Completion) -> list[tuple[int, Any]]:
+def _all(completion: Completion) -> list[tuple[int, TokenLogprobs]]:
     """Every generated token with its log-probabilities."""
     return list(zip(completion.token_ids, completion.logprobs or [], strict=False))
 
