@@ -249,9 +249,10 @@ def _attend_windowed(
     """A sliding-window layer: each query sees the keys ``q - window < k <= q`` only.
 
     The same segments as a full layer (resident chunks, streamed pieces, recent tokens),
-    each attended with a mask of its keys' absolute positions; a piece wholly before every
-    query's window is acquired and released unread (the stream keeps its order). Queries in
-    one block: a window bounds what each sees, not the score matrix.
+    each attended with a mask of its keys' absolute positions. The plan streams this layer
+    only the chunks its window reaches (``cut_pieces``); resident chunks wholly before the
+    window are not read. Queries in one block: a window bounds what each sees, not the
+    score matrix.
     """
     plan = cache.plan
     sq = query.shape[2]
@@ -274,10 +275,7 @@ def _attend_windowed(
         assert cache.device_tier is not None
         keys, values = cache.device_tier.layer_kv(view.layer_idx)  # [H, S, T, D]
         heads, dim = keys.shape[0], keys.shape[-1]
-        lo, hi = plan.resident_slots.start, plan.resident_slots.stop
-        chunks = [-1] * (hi - lo)
-        for slot, _, chunk in plan.resident:
-            chunks[slot - lo] = chunk
+        chunks = plan.resident_chunks
         if max(chunks) >= 0 and (max(chunks) + 1) * size > oldest:
             k = keys[:, plan.resident_slots].reshape(heads, -1, dim)
             v = values[:, plan.resident_slots].reshape(heads, -1, dim)

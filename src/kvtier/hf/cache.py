@@ -99,6 +99,7 @@ class _Plan:
     host_pins: list[ChunkRef] = field(default_factory=list)
     resident_valid: torch.Tensor | None = None  # [B, (hi - lo) * T]; None: all valid
     resident_slots: slice = field(default_factory=lambda: slice(0, 0))  # slots attention reads
+    resident_chunks: list[int] = field(default_factory=list)  # per slot read; -1: unused
     piece_valid: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by piece, [B, n*T]
     recent_valid: tuple[tuple[int, int], torch.Tensor | None] | None = None
     sealed_before: int = 0
@@ -538,6 +539,9 @@ class TieredCache(SelfManagedCache):
         for slot, row, chunk in plan.resident:
             resident[row, slot - lo] = valid[row, chunk * size : (chunk + 1) * size]
         plan.resident_slots = slice(lo, hi)
+        plan.resident_chunks = [-1] * (hi - lo)
+        for slot, _, chunk in plan.resident:
+            plan.resident_chunks[slot - lo] = chunk
         plan.resident_valid = self._flat_mask(resident)
         plan.piece_valid = {}
         masks: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor | None] = {}
