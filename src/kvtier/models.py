@@ -367,14 +367,25 @@ def _load_folder(
 
     # Load straight onto the target device (no CPU copy of a large model first).
     placement = {"device_map": str(torch.device(device))} if device is not None else {}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
+
+    def load(implementation: str) -> Any:
+        return AutoModelForCausalLM.from_pretrained(
             str(folder),
             dtype=dtype,
             local_files_only=True,
-            attn_implementation=attn_implementation,
+            attn_implementation=implementation,
             **placement,
         )
+
+    try:
+        try:
+            model = load(attn_implementation)
+        except ValueError as exc:
+            # Some architectures have no SDPA attention; load them with eager attention so
+            # the cache, not the loader, says whether kvtier can run them.
+            if attn_implementation != "sdpa" or "does not support an attention" not in str(exc):
+                raise
+            model = load("eager")
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load a causal LM from {str(folder)!r}: {exc}") from exc
