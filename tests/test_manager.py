@@ -1,4 +1,4 @@
-"""The manager: prefix lookup across tiers, store/fetch, write policies, promotion."""
+"""The manager: prefix lookup across tiers, store, write policies, promotion."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.config import DeviceConfig, DiskConfig, HostConfig, ManagerConfig
+from kvtier.config import DiskConfig, HostConfig, ManagerConfig
 from kvtier.kv import Chunk, KVLayout
 from kvtier.manager import KVManager
 
@@ -27,22 +27,20 @@ def make_manager(
     host_chunks: int = 8,
     disk_chunks: int = 32,
     write_policy: str = "write_back",
-    device_chunks: int | None = None,
     digest_bytes: int = 16,
 ) -> KVManager:
+    lower = ()
+    if tmp_path is not None:
+        lower = (
+            DiskConfig(
+                path=str(tmp_path / "disk"), capacity_bytes=disk_chunks * layout.chunk_nbytes
+            ),
+        )
     config = ManagerConfig(
         chunk_tokens=layout.chunk_tokens,
         write_policy=write_policy,
-        device=(
-            DeviceConfig(budget_bytes=device_chunks * layout.chunk_nbytes, device="cpu")
-            if device_chunks is not None
-            else None
-        ),
         host=HostConfig(capacity_bytes=host_chunks * layout.chunk_nbytes),
-        disk=DiskConfig(
-            path=str(tmp_path / "disk") if tmp_path is not None else None,
-            capacity_bytes=disk_chunks * layout.chunk_nbytes,
-        ),
+        lower_tiers=lower,
     )
     return KVManager(layout, "test-model", config, digest_bytes=digest_bytes)
 
@@ -89,13 +87,21 @@ def test_forced_key_collision_never_returns_foreign_kv(layout: KVLayout) -> None
         query_ref = manager.refs_for(query_ids)[0]
         assert query_ref.key == stored.key
         assert manager.lookup(query_ids).hit_tokens == 0
+        assert manager.locate(query_ref) is None
+        assert manager.promote([query_ref]) == ["missing"]
         out = torch.zeros(layout.chunk_shape)
-        assert manager.fetch_into([query_ref], [out]) == [None]
+        assert manager.host.get_into([query_ref], [out]) == [False]
         assert torch.all(out == 0)
         assert manager.stats().tiers["host"].collisions >= 1
 
 
-def test_host_eviction_writes_back_to_disk_and_fetch_promotes(
+def read_host(manager: KVManager, ref: object) -> torch.Tensor:
+    out = manager.layout.empty_chunk()
+    assert manager.host.get_into([ref], [out]) == [True]  # type: ignore[list-item]
+    return out
+
+
+def test_host_eviction_writes_back_to_disk_and_promote_reads_it(
     layout: KVLayout, tmp_path: Path
 ) -> None:
     with make_manager(layout, tmp_path, host_chunks=2, write_policy="write_back") as manager:
@@ -105,14 +111,13 @@ def test_host_eviction_writes_back_to_disk_and_fetch_promotes(
         assert manager.disk is not None
         manager.wait_writes()  # evicted chunks go down on the link, off the caller's thread
         assert len(manager.host) == 2 and len(manager.disk) == 3
-        assert manager.stats().write_downs_async + manager.stats().write_downs_sync == 3
+        assert manager.stats().write_backs_queued == 3
+        assert manager.stats().write_backs_dropped == 0
         result = manager.lookup(ids)
         assert result.hit_tokens == 80
         assert result.tiers == ["disk"] * 3 + ["host"] * 2
-        out = layout.empty_chunk()
-        assert manager.fetch_into([chunks[0].ref], [out]) == ["disk"]
-        assert torch.equal(out, chunks[0].data)
-        assert manager.host.contains(chunks[0].ref)  # promoted on read
+        assert manager.promote([chunks[0].ref]) == ["host"]
+        assert torch.equal(read_host(manager, chunks[0].ref), chunks[0].data)
         stats = manager.stats()
         assert stats.tiers["host"].evictions >= 3 and stats.tiers["disk"].hits == 1
 
@@ -127,10 +132,9 @@ def test_write_through_reaches_disk_and_survives_restart(layout: KVLayout, tmp_p
     with make_manager(layout, tmp_path) as reopened:
         result = reopened.lookup(ids)
         assert result.hit_tokens == 48 and set(result.tiers) == {"disk"}
-        outs = [layout.empty_chunk() for _ in chunks]
-        assert reopened.fetch_into(result.refs, outs) == ["disk"] * 3
-        for chunk, out in zip(chunks, outs, strict=True):
-            assert torch.equal(out, chunk.data)
+        assert reopened.promote(result.refs) == ["host"] * 3
+        for chunk in chunks:
+            assert torch.equal(read_host(reopened, chunk.ref), chunk.data)
 
 
 def test_close_can_flush_host_to_disk(layout: KVLayout, tmp_path: Path) -> None:
@@ -152,18 +156,6 @@ def test_prefetch_to_host_promotes_in_background(layout: KVLayout, tmp_path: Pat
         assert handle is not None
         handle.wait()
         assert manager.lookup(ids).tiers[:2] == ["host", "host"]
-
-
-def test_device_tier_stays_within_budget_and_spills_to_host(layout: KVLayout) -> None:
-    with make_manager(layout, device_chunks=2, host_chunks=8) as manager:
-        ids = np.arange(16 * 4)
-        chunks = sequence_chunks(manager, ids)
-        manager.store(chunks, tier="device")
-        assert manager.device is not None
-        assert manager.device.used_bytes <= manager.device.capacity_bytes
-        assert manager.lookup(ids).tiers == ["host", "host", "device", "device"]
-        table = manager.stats().table()
-        assert "device" in table and "host" in table
 
 
 def test_chunk_size_mismatch_is_a_clear_error(layout: KVLayout) -> None:

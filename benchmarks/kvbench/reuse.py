@@ -114,13 +114,13 @@ def recompute(bench: BenchModel, prompt: torch.Tensor) -> Turn:
 
 def manager_config(h: History, bench: BenchModel, disk: Path | None) -> ManagerConfig:
     layout = bench.layout
-    disk_config = DiskConfig()
+    lower_tiers: tuple[DiskConfig, ...] = ()
     if disk is not None:
-        disk_config = DiskConfig(path=str(disk), capacity_bytes=2 * h.host_nbytes)
+        lower_tiers = (DiskConfig(path=str(disk), capacity_bytes=2 * h.host_nbytes),)
     return ManagerConfig(
         chunk_tokens=layout.chunk_tokens,
         host=HostConfig(capacity_bytes=h.host_nbytes),
-        disk=disk_config,
+        lower_tiers=lower_tiers,
     )
 
 

@@ -7,6 +7,7 @@ so a bad CLI flag or config reads as one actionable line.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvtier.policy.eviction import EVICTION_POLICIES
 from kvtier.validate import check_int
@@ -15,11 +16,6 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 WRITE_POLICIES = ("write_through", "write_back")
-
-
-def _check_policy(name: str, value: str) -> None:
-    if value not in EVICTION_POLICIES:
-        raise ValueError(f"{name}: unknown policy {value!r}; accepted: {sorted(EVICTION_POLICIES)}")
 
 
 @dataclass(frozen=True)
@@ -44,84 +40,111 @@ class LinkConfig:
         check_int("link.max_inflight_bytes", self.max_inflight_bytes, 1)
 
 
-@dataclass(frozen=True)
-class DeviceConfig:
-    """The device tier. ``device=None`` picks CUDA when available, else a CPU RAM budget."""
-
-    budget_bytes: int = 1 * GiB
-    device: str | None = None
-    eviction_policy: str = "lru"
-
-    def __post_init__(self) -> None:
-        check_int("device.budget_bytes", self.budget_bytes)
-        _check_policy("device.eviction_policy", self.eviction_policy)
-
-
-@dataclass(frozen=True)
-class HostConfig:
-    """The host DRAM tier. ``pin_memory=None`` pins when CUDA is available."""
-
-    capacity_bytes: int = 4 * GiB
-    pin_memory: bool | None = None
-    eviction_policy: str = "lru"
-
-    def __post_init__(self) -> None:
-        check_int("host.capacity_bytes", self.capacity_bytes)
-        _check_policy("host.eviction_policy", self.eviction_policy)
-
-
-@dataclass(frozen=True)
-class DiskConfig:
-    """The local disk tier; ``path=None`` disables it.
+@dataclass(frozen=True, kw_only=True)
+class TierConfig:
+    """One tier of the manager's stack. Subclasses set ``kind``, the key of the tier
+    registry (``kvtier.tiers.registry.TIER_KINDS``) that builds the tier; the tier is called
+    by its kind in lookups, stats and ``KVManager.tier``.
 
     Attributes:
-        path: directory of the segment files (created if missing); None: no disk tier.
+        capacity_bytes: the tier's byte budget.
+        eviction_policy: registry name of the eviction policy.
+    """
+
+    kind: ClassVar[str] = ""
+    capacity_bytes: int = 0
+    eviction_policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        check_int(f"{self.kind}.capacity_bytes", self.capacity_bytes)
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"{self.kind}.eviction_policy: unknown policy {self.eviction_policy!r}; "
+                f"accepted: {sorted(EVICTION_POLICIES)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowerTierConfig(TierConfig):
+    """A tier below host, with the link that joins it to the tier above.
+
+    Attributes:
+        link: the link between the tier above and this one (its worker runs every copy
+            between them: promotions up, write-through and write-back down).
+        write_queue_chunks: chunks evicted from the tier above that may wait for the link
+            at once (each waits in a spare chunk-sized buffer); when the queue is full the
+            oldest waiting write is dropped and counted (``ManagerStats.write_backs_dropped``)
+            and that chunk is recomputed if it is needed again. 0: evicted chunks are dropped.
+    """
+
+    link: LinkConfig = field(default_factory=LinkConfig)
+    write_queue_chunks: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int(f"{self.kind}.write_queue_chunks", self.write_queue_chunks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostConfig(TierConfig):
+    """The host DRAM tier, always the first. ``pin_memory=None`` pins when CUDA is available."""
+
+    kind: ClassVar[str] = "host"
+    capacity_bytes: int = 4 * GiB
+    pin_memory: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiskConfig(LowerTierConfig):
+    """The local disk tier.
+
+    Attributes:
+        path: directory of the segment files (created if missing).
         capacity_bytes: bytes of chunk data; at least one chunk (checked when the tier is
             built, which knows the chunk size).
         fsync: make every write durable against power loss (``fdatasync``); without it a
             landed write still survives the process being killed.
-        eviction_policy: registry name of the eviction policy.
-        write_buffers: spare host chunks that carry chunks evicted from host to disk on
-            the host⇄disk link, so eviction does not write to disk on the compute thread;
-            0 writes every evicted chunk synchronously.
     """
 
-    path: str | None = None
+    kind: ClassVar[str] = "disk"
+    path: str
     capacity_bytes: int = 32 * GiB
     fsync: bool = True
-    eviction_policy: str = "lru"
-    write_buffers: int = 4
 
     def __post_init__(self) -> None:
-        if self.path is not None and not str(self.path).strip():
-            raise ValueError("disk.path: must be a directory path or None (no disk tier)")
-        check_int("disk.capacity_bytes", self.capacity_bytes)
-        check_int("disk.write_buffers", self.write_buffers)
-        _check_policy("disk.eviction_policy", self.eviction_policy)
+        if not isinstance(self.path, str) or not self.path.strip():
+            raise ValueError(f"disk.path: must be a directory path, got {self.path!r}")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
 class ManagerConfig:
-    """The KV manager: chunking, tiers, links and write policy.
+    """The KV manager: chunking, the tier stack and the write policy.
+
+    The stack is ``tiers``: host first, then ``lower_tiers`` in order, each slower and
+    larger than the one above, with one link between each adjacent pair::
+
+        ManagerConfig(
+            chunk_tokens=256,
+            host=HostConfig(capacity_bytes=4 * GiB),
+            lower_tiers=(DiskConfig(path="/var/kv", link=LinkConfig(gbps=2.0)),),
+        )
 
     Attributes:
         chunk_tokens: tokens per chunk.
-        write_policy: ``write_through`` writes each sealed chunk to disk when it is stored;
-            ``write_back`` writes it to disk only when the host evicts it.
+        write_policy: ``write_through`` copies each sealed chunk down the whole stack when
+            it is stored; ``write_back`` copies a chunk one tier down only when it is
+            evicted.
         tenant_salt: isolates tenants: KV is never reused across different salts.
-        device: the device tier, or None when the caller keeps device KV itself.
-        host: the host tier.
-        disk: the disk tier.
-        host_disk_link: the link that carries host⇄disk copies.
+        host: the host tier (always present: sealed chunks land there).
+        lower_tiers: the tiers below host, fastest first (e.g. disk); kinds are unique.
     """
 
     chunk_tokens: int = 256
     write_policy: str = "write_back"
     tenant_salt: str = ""
-    device: DeviceConfig | None = None
     host: HostConfig = field(default_factory=HostConfig)
-    disk: DiskConfig = field(default_factory=DiskConfig)
-    host_disk_link: LinkConfig = field(default_factory=LinkConfig)
+    lower_tiers: tuple[LowerTierConfig, ...] = ()
 
     def __post_init__(self) -> None:
         check_int("chunk_tokens", self.chunk_tokens, 1)
@@ -129,6 +152,28 @@ class ManagerConfig:
             raise ValueError(
                 f"write_policy: unknown {self.write_policy!r}; accepted: {list(WRITE_POLICIES)}"
             )
+        if not isinstance(self.host, HostConfig):
+            raise ValueError(f"host: must be a HostConfig, got {type(self.host).__name__}")
+        object.__setattr__(self, "lower_tiers", tuple(self.lower_tiers))
+        kinds = ["host"]
+        for i, tier in enumerate(self.lower_tiers):
+            if not isinstance(tier, LowerTierConfig):
+                raise ValueError(
+                    f"lower_tiers[{i}]: must be a tier config below host (e.g. DiskConfig), "
+                    f"got {type(tier).__name__}"
+                )
+            if tier.kind in kinds:
+                raise ValueError(f"lower_tiers[{i}].kind: {tier.kind!r} is in the stack twice")
+            kinds.append(tier.kind)
+
+    @property
+    def tiers(self) -> tuple[TierConfig, ...]:
+        """The whole stack, fastest first: host, then ``lower_tiers``."""
+        return (self.host, *self.lower_tiers)
+
+    def lower_tier(self, kind: str) -> LowerTierConfig | None:
+        """The config of the lower tier of this kind, or None when the stack has none."""
+        return next((t for t in self.lower_tiers if t.kind == kind), None)
 
 
 @dataclass(frozen=True)

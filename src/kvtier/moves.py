@@ -1,163 +1,139 @@
-"""How bytes move between the manager's tiers: evict hooks and host⇄disk link steps.
+"""How bytes move between adjacent tiers: the hop (two tiers and their link) and its step.
 
-``kvtier.manager.KVManager`` keeps the books (where every chunk is, what is being written,
-the counters); the callables here move the bytes, run by a tier's eviction (the hooks) or
-on the host⇄disk link's worker thread (the steps). Each names the manager whose state it
-updates; none raises to its caller: a disk that takes no writes, or whose slots are all
-pinned, just does not take the chunk (counted by the tier).
+``kvtier.manager.KVManager`` keeps the books (where every chunk is, the counters); a
+``Hop`` joins tier ``i`` to tier ``i + 1`` through one ``Link`` and owns that link's
+write-back queue and staging buffer. Every copy between tiers is one ``Move`` run on the
+worker of a hop's link, whatever the kinds of the tiers: a promotion (a lower tier into
+host), a write-through or a save at close (a tier into the one below). Write-back on
+eviction goes through the hop's ``WriteBackQueue``. No step raises to its caller: a tier
+that takes no writes, or whose slots are all pinned, just does not take the chunk.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.kv.layout import KVLayout
 from kvtier.tiers.base import Tier, TierFullError
-from kvtier.tiers.disk_io import copy_bytes
-from kvtier.transfer import CopyStep
-
-if TYPE_CHECKING:
-    from kvtier.manager import KVManager
+from kvtier.transfer import Link
+from kvtier.writeback import WriteBackQueue
 
 log = logging.getLogger(__name__)
 
 
-class WriteDown:
-    """Evict hook: write a victim to the next tier down unless it already holds it."""
+@dataclass
+class Hop:
+    """Tier ``upper`` above tier ``lower``, the link between them and what it owns.
 
-    def __init__(self, lower: Tier) -> None:
-        self.lower = lower
-
-    def __call__(self, victim: Chunk) -> None:
-        if not self.lower.contains(victim.ref):
-            self.lower.put([victim])
-
-
-class DiskWriteDown:
-    """Host evict hook: send a victim disk lacks to disk, off the compute thread if it can.
-
-    Runs under the host lock, in whichever thread's ``put`` evicted. The victim is copied
-    into a spare chunk (a memory copy) and written on the host⇄disk link; with no spare
-    free or no room on the link it is written here (so write-back never loses a chunk).
-    Never raises: a disk that takes no writes skips it (the tier counts it).
+    Attributes:
+        upper: the faster tier (its evict hook is ``queue.offer``).
+        lower: the slower tier.
+        link: runs every copy between the two, in submission order, on its worker.
+        queue: chunks evicted from ``upper`` waiting to be written into ``lower``.
+        layout: the chunk layout (sizes the staging buffer).
     """
 
-    def __init__(self, manager: KVManager) -> None:
-        self.manager = manager
+    upper: Tier
+    lower: Tier
+    link: Link
+    queue: WriteBackQueue
+    layout: KVLayout
+    _staging: torch.Tensor | None = field(default=None, repr=False)
 
-    def __call__(self, victim: Chunk) -> None:
-        manager, disk, link = self.manager, self.manager.disk, self.manager.host_disk_link
-        assert disk is not None and link is not None
-        if manager._on_disk(victim.ref):
-            return
-        if disk.writes_disabled:
-            disk.put([victim])  # skips it, counted in the disk's writes_skipped
-            return
-        spare = manager._take_spare()
-        if spare is not None:
-            copy_bytes(spare, victim.data)
-            step = SpareWrite(manager, victim.ref, spare)
-            with manager._lock:
-                manager._writing[victim.key] = victim.ref
-            handle = link.try_submit([CopyStep(manager.layout.chunk_nbytes, range(0), step)], 0)
-            if handle is not None:
-                manager._track(handle)
-                manager._count_write_down(asynchronous=True)
-                return
-            with manager._lock:
-                del manager._writing[victim.key]
-            manager._give_spare(spare)
-        put_quietly(disk, Chunk(victim.ref, victim.data))
-        manager._count_write_down(asynchronous=False)
+    def holds(self, ref: ChunkRef) -> bool:
+        """True if ``lower`` holds ``ref`` or it is queued to be written there."""
+        return self.queue.holds(ref) or self.lower.contains(ref)
+
+    @property
+    def staging(self) -> torch.Tensor:
+        """One chunk buffer that only the link's worker uses (made on first use)."""
+        if self._staging is None:
+            self._staging = self.layout.empty_chunk().zero_()
+        return self._staging
 
 
-def put_quietly(disk: Tier, chunk: Chunk) -> None:
-    """``disk.put([chunk])`` where no caller can take an error: a disk whose every slot is
-    pinned just does not take it (I/O errors never leave a degrading tier)."""
-    try:
-        disk.put([chunk])
-    except TierFullError as exc:
-        log.debug("disk: chunk %s not written: %s", chunk.ref.short(), exc)
+Outcome = Callable[[str], None]
+"""Told where a moved chunk stands: the target's name, ``"corrupt"`` or ``"missing"``."""
 
 
-class SpareWrite:
-    """Link step: write an evicted chunk held in a spare buffer to disk, then free it."""
+class Move:
+    """Link step: copy one chunk from ``source`` into ``target`` through the hop's staging.
 
-    def __init__(self, manager: KVManager, ref: ChunkRef, spare: torch.Tensor) -> None:
-        self.manager = manager
-        self.ref = ref
-        self.spare = spare
+    Runs on ``hop.link``'s worker. The chunk is read with ``get_into`` (counted as a use of
+    the source only when ``as_use``: a promotion is a read, a copy down is not) and put
+    into ``target``, where it may evict (whose write-back queues on a link without
+    waiting). Reports the outcome to ``outcome``: the target's name once it holds the
+    chunk; ``"corrupt"`` if the source held it and its bytes failed their checks (the
+    source drops it and ``on_corrupt`` is called); ``"missing"`` if the source did not
+    hold it or the target had no unpinned slot.
 
-    def __call__(self) -> None:
-        manager = self.manager
-        try:
-            assert manager.disk is not None
-            put_quietly(manager.disk, Chunk(self.ref, self.spare))
-        finally:
-            with manager._lock:
-                manager._writing.pop(self.ref.key, None)
-            manager._give_spare(self.spare)
-
-
-class DiskWrite:
-    """Link step: copy one host chunk to disk, pinned while it is read (write-through)."""
-
-    def __init__(self, manager: KVManager, ref: ChunkRef) -> None:
-        self.manager = manager
-        self.ref = ref
-
-    def __call__(self) -> None:
-        host, disk = self.manager.host, self.manager.disk
-        if disk is None or disk.contains(self.ref) or not host.pin([self.ref])[0]:
-            return  # landed already, or evicted (and written down on the way out)
-        try:
-            view = host.view(self.ref)  # type: ignore[attr-defined]
-            if view is not None:
-                put_quietly(disk, Chunk(self.ref, view))
-        finally:
-            host.unpin([self.ref])
-
-
-class Promote:
-    """Link step: copy one chunk from disk into host; records the outcome if asked."""
+    Args:
+        hop: the hop whose link runs the step (and whose staging buffer it uses).
+        ref: the chunk.
+        source: the tier read from.
+        target: the tier written to.
+        as_use: count the read as a use of the source (hits, eviction order).
+        outcome: told where the chunk stands afterwards.
+        on_corrupt: called once when the source's copy is found corrupt.
+        then: called with ``ref`` after it landed in ``target`` (e.g. to copy it on down).
+    """
 
     def __init__(
         self,
-        manager: KVManager,
+        hop: Hop,
         ref: ChunkRef,
-        outcomes: list[str] | None = None,
-        index: int = 0,
+        source: Tier,
+        target: Tier,
+        *,
+        as_use: bool = True,
+        outcome: Outcome | None = None,
+        on_corrupt: Callable[[], None] | None = None,
+        then: Callable[[ChunkRef], None] | None = None,
     ) -> None:
-        self.manager = manager
+        self.hop = hop
         self.ref = ref
-        self.outcomes = outcomes
-        self.index = index
+        self.source = source
+        self.target = target
+        self.as_use = as_use
+        self.outcome = outcome
+        self.on_corrupt = on_corrupt
+        self.then = then
 
     def __call__(self) -> None:
-        outcome = self._promote()
-        if self.outcomes is not None:
-            self.outcomes[self.index] = outcome
+        result = self._move()
+        if self.outcome is not None:
+            self.outcome(result)
+        if result == self.target.name and self.then is not None:
+            self.then(self.ref)
 
-    def _promote(self) -> str:
-        manager = self.manager
-        if manager.host.contains(self.ref):
-            return "host"
-        if manager.disk is None:
-            return "missing"
-        if manager._staging is None:
-            manager._staging = manager.layout.empty_chunk().zero_()
-        staging = manager._staging
-        held = manager._on_disk(self.ref)
-        if not manager.disk.get_into([self.ref], [staging])[0]:
+    def _move(self) -> str:
+        if self.target.contains(self.ref):
+            return self.target.name
+        staging = self.hop.staging
+        held = self.source.contains(self.ref)
+        if not self.source.get_into([self.ref], [staging], as_use=self.as_use)[0]:
             if not held:
                 return "missing"
-            manager.count_recompute("corrupt")  # counted where found, whoever asked
+            if self.on_corrupt is not None:
+                self.on_corrupt()
             return "corrupt"
         try:
-            manager.host.put([Chunk(self.ref, staging)])
-        except TierFullError:  # every host slot pinned: the caller recomputes it
+            self.target.put([Chunk(self.ref, staging)])
+        except TierFullError as exc:  # every slot pinned: its user recomputes it
+            log.debug("%s: chunk %s not taken: %s", self.target.name, self.ref.short(), exc)
             return "missing"
-        return "host"
+        return self.target.name if self.target.contains(self.ref) else "missing"
+
+
+def outcome_into(outcomes: list[str], index: int) -> Outcome:
+    """An ``Outcome`` that stores the result at ``outcomes[index]``."""
+
+    def store(result: str) -> None:
+        outcomes[index] = result
+
+    return store

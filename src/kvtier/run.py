@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded.model_id,
         ManagerConfig(
             host=HostConfig(capacity_bytes=layout.kv_nbytes(2 * final_tokens + 1024)),
-            disk=DiskConfig(path=args.disk_dir),
+            lower_tiers=(DiskConfig(path=args.disk_dir),) if args.disk_dir is not None else (),
         ),
     )
     say(

@@ -72,7 +72,7 @@ def engine_config(
         manager=ManagerConfig(
             chunk_tokens=CHUNK,
             host=HostConfig(capacity_bytes=host_chunks * chunk_nbytes),
-            disk=DiskConfig(path=disk_dir, fsync=False),
+            lower_tiers=(DiskConfig(path=disk_dir, fsync=False),) if disk_dir is not None else (),
         ),
     )
 

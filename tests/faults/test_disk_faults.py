@@ -194,8 +194,9 @@ def test_device_that_refuses_every_write(
 def test_disk_smaller_than_a_chunk_is_refused_at_start(model: Any, tokenizer: Any) -> None:
     layout = KVLayout.from_model_config(model_config("llama"), torch.float32, CHUNK)
     config = engine_config(disk_dir="unused")
-    small = DiskConfig(path=config.manager.disk.path, capacity_bytes=layout.chunk_nbytes - 1)
-    config = dataclasses.replace(config, manager=dataclasses.replace(config.manager, disk=small))
+    small = DiskConfig(path="unused", capacity_bytes=layout.chunk_nbytes - 1)
+    manager = dataclasses.replace(config.manager, lower_tiers=(small,))
+    config = dataclasses.replace(config, manager=manager)
     with pytest.raises(ValueError, match=r"disk\.capacity_bytes \(--disk-mb\)") as caught:
         Engine(model, tokenizer, config)
     assert f"at least {layout.chunk_nbytes} bytes" in str(caught.value)

@@ -122,7 +122,7 @@ def make_manager(model: Any, disk: Any) -> KVManager:
     config = ManagerConfig(
         chunk_tokens=CHUNK,
         host=HostConfig(capacity_bytes=64 * layout.chunk_nbytes),
-        disk=DiskConfig(path=None if disk is None else str(disk), fsync=False),
+        lower_tiers=() if disk is None else (DiskConfig(path=str(disk), fsync=False),),
     )
     return KVManager(layout, model_identity(model), config)
 

@@ -104,9 +104,9 @@ def test_attached_model_still_works_with_dynamic_cache() -> None:
 
 def shared_manager(model: torch.nn.Module, tmp_path: Path | None = None) -> KVManager:
     lay = layout_of(model)
-    disk = DiskConfig(path=str(tmp_path / "disk") if tmp_path else None)
+    disk = (DiskConfig(path=str(tmp_path / "disk")),) if tmp_path else ()
     config = ManagerConfig(
-        chunk_tokens=CHUNK, host=HostConfig(capacity_bytes=64 * lay.chunk_nbytes), disk=disk
+        chunk_tokens=CHUNK, host=HostConfig(capacity_bytes=64 * lay.chunk_nbytes), lower_tiers=disk
     )
     return KVManager(lay, model_identity(model), config)
 

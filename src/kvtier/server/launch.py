@@ -146,7 +146,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             chunk_tokens=args.chunk_tokens,
             write_policy=args.write_policy,
             host=HostConfig(capacity_bytes=args.host_mb * MiB),
-            disk=DiskConfig(path=args.disk_dir, capacity_bytes=args.disk_mb * MiB),
+            lower_tiers=(
+                (DiskConfig(path=args.disk_dir, capacity_bytes=args.disk_mb * MiB),)
+                if args.disk_dir is not None
+                else ()
+            ),
         ),
     )
 

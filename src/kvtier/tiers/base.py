@@ -16,8 +16,8 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -25,92 +25,17 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
 from kvtier.policy.eviction import EvictionPolicy, make_policy
+from kvtier.tiers.types import (
+    ChunkLostError,
+    EvictHook,
+    PutResult,
+    TierFullError,
+    TierStats,
+)
+
+__all__ = ["ChunkLostError", "EvictHook", "PutResult", "Tier", "TierFullError", "TierStats"]
 
 log = logging.getLogger(__name__)
-
-
-class TierFullError(RuntimeError):
-    """Raised by ``put`` when no slot can be freed because every chunk is pinned."""
-
-
-class ChunkLostError(RuntimeError):
-    """A sequence's own sealed chunk is in no tier any more (evicted, corrupt, unreadable).
-
-    Raised mid-sequence by the cache that needs the chunk, before the forward pass uses
-    any KV: the sequence's state is intact up to its sealed chunks, and it can resume by
-    recomputing from its longest prefix still cached (``TieredCache.reuse_prefix``).
-
-    Attributes:
-        cause: ``"corrupt"`` (the chunk's stored bytes failed their checks) or
-            ``"missing"`` (evicted or never landed).
-        num_chunks: how many of the sequence's chunks are lost.
-    """
-
-    def __init__(self, message: str, cause: str = "missing", num_chunks: int = 1) -> None:
-        super().__init__(message)
-        self.cause = cause
-        self.num_chunks = num_chunks
-
-
-@dataclass
-class TierStats:
-    """Counters of one tier. Read them through ``Tier.stats()`` (a consistent copy).
-
-    ``corrupt_dropped`` counts chunks dropped because their stored bytes failed a check
-    (or could not be read); ``io_errors`` counts failed I/O calls; ``writes_disabled`` is 1
-    while a tier refuses writes after an I/O error (0 otherwise; a sum over tiers counts
-    the disabled ones); ``writes_skipped`` counts chunks not stored because of it.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    duplicate_puts: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    evictions: int = 0
-    collisions: int = 0
-    corrupt_dropped: int = 0
-    io_errors: int = 0
-    writes_disabled: int = 0  # 1 while the tier refuses writes after an I/O error
-    writes_skipped: int = 0  # chunks not written because writes were disabled
-    put_seconds: float = 0.0
-    get_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(asdict(self))
-
-    @classmethod
-    def total(cls, items: Iterable[TierStats]) -> TierStats:
-        """Field-wise sum: one figure for several tiers of one kind (e.g. the device tiers
-        of every running sequence)."""
-        out = cls()
-        for item in items:
-            for f in fields(cls):
-                setattr(out, f.name, getattr(out, f.name) + getattr(item, f.name))
-        return out
-
-    @property
-    def put_gbps(self) -> float:
-        return self.bytes_in / self.put_seconds / 1e9 if self.put_seconds else 0.0
-
-    @property
-    def get_gbps(self) -> float:
-        return self.bytes_out / self.get_seconds / 1e9 if self.get_seconds else 0.0
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What a ``put`` did: keys newly stored, keys already present, chunks evicted."""
-
-    stored: list[ChunkKey] = field(default_factory=list)
-    already_present: list[ChunkKey] = field(default_factory=list)
-    evicted: list[ChunkRef] = field(default_factory=list)
-
-
-EvictHook = Callable[[Chunk], None]
-"""Called with a victim (its data readable for the duration of the call) before its slot
-is freed; the manager uses it to write back to the next tier. Runs under the tier lock."""
 
 
 @dataclass
@@ -264,6 +189,18 @@ class Tier(ABC):
             self._write_fault = None
             self._stats.writes_disabled = 0
 
+    def count_skipped_writes(self, num_chunks: int) -> None:
+        """Count chunks not written here because writes are disabled (``writes_skipped``)."""
+        with self._lock:
+            self._stats.writes_skipped += num_chunks
+
+    def sync(self) -> None:
+        """Make every chunk stored so far durable; a no-op for tiers that are not.
+
+        Raises ``OSError`` from the device (the caller disables writes). Blocks.
+        """
+        return None
+
     def count_io_error(self) -> None:
         """Count a failed I/O call that did not disable writes (a read, a header erase)."""
         with self._lock:
@@ -362,14 +299,17 @@ class Tier(ABC):
             self._end_put()
         return result
 
-    def get_into(self, refs: Sequence[ChunkRef], outs: Sequence[torch.Tensor]) -> list[bool]:
+    def get_into(
+        self, refs: Sequence[ChunkRef], outs: Sequence[torch.Tensor], *, as_use: bool = True
+    ) -> list[bool]:
         """Copy held chunks into caller-owned buffers.
 
         A miss (key not held, or other token ids) leaves its buffer untouched. A hit counts
-        as a use for eviction. A chunk found corrupt is dropped, counted in
-        ``stats.corrupt_dropped`` and reads as a miss, but its buffer may be left partly
-        written: tiers that verify while they copy (the disk tier) have written part of the
-        chunk before the check fails. Blocks for the copies.
+        as a use for eviction and in ``stats.hits`` unless ``as_use=False`` (a copy between
+        tiers, e.g. write-through, which must not keep a chunk resident). A chunk found
+        corrupt is dropped, counted in ``stats.corrupt_dropped`` and reads as a miss, but its
+        buffer may be left partly written: tiers that verify while they copy (the disk tier)
+        have written part of the chunk before the check fails. Blocks for the copies.
         """
         if len(refs) != len(outs):
             raise ValueError(f"get_into: {len(refs)} refs but {len(outs)} output buffers")
@@ -378,11 +318,12 @@ class Tier(ABC):
             with self._lock:
                 entry = self._match(ref)
                 if entry is None:
-                    self._stats.misses += 1
+                    self._stats.misses += as_use
                     found.append(False)
                     continue
                 entry.pins += 1
-                self._policy.touch(ref.key)
+                if as_use:
+                    self._policy.touch(ref.key)
             start = time.perf_counter()
             try:
                 ok = self._read_slot(entry.slot, ref, out)
@@ -392,9 +333,10 @@ class Tier(ABC):
             elapsed = time.perf_counter() - start
             with self._lock:
                 if ok:
-                    self._stats.hits += 1
-                    self._stats.bytes_out += self.chunk_nbytes
-                    self._stats.get_seconds += elapsed
+                    if as_use:
+                        self._stats.hits += 1
+                        self._stats.bytes_out += self.chunk_nbytes
+                        self._stats.get_seconds += elapsed
                 else:
                     self._stats.corrupt_dropped += 1
                     self._stats.misses += 1
