@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
-from kvtier.transfer import CopyStep, TransferError, TransferHandle, layer_copy_steps
+from kvtier.transfer import CopyStep, TransferError, TransferHandle
 
 
 def _noop() -> None:
@@ -105,17 +104,3 @@ def test_bad_arguments() -> None:
     handle = TransferHandle([], num_layers=2)
     with pytest.raises(IndexError):
         handle.wait_layer(2)
-
-
-def test_layer_copy_steps_copy_layer_groups() -> None:
-    srcs = [torch.randn(5, 2, 3), torch.randn(5, 2, 3)]
-    dsts = [torch.zeros(5, 2, 3), torch.zeros(5, 2, 3)]
-    steps = layer_copy_steps(srcs, dsts, layers_per_step=2)
-    assert [s.layers for s in steps] == [range(0, 2), range(2, 4), range(4, 5)]
-    assert sum(s.nbytes for s in steps) == 2 * srcs[0].numel() * 4
-    steps[0].run()
-    assert torch.equal(dsts[0][:2], srcs[0][:2]) and torch.equal(dsts[1][:2], srcs[1][:2])
-    assert not dsts[0][2:].any()
-    with pytest.raises(ValueError):
-        layer_copy_steps(srcs, [torch.zeros(4, 2, 3), torch.zeros(5, 2, 3)])
-    assert layer_copy_steps([], []) == []

@@ -15,7 +15,6 @@ from kvtier.transfer import (
     LinkStats,
     TransferError,
     TransferHandle,
-    layer_copy_steps,
 )
 
 WAIT_S = 5.0  # generous bound for things that must happen; never reached when correct
@@ -38,10 +37,26 @@ def _noop() -> None:
     pass
 
 
+def layer_steps(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> list[CopyStep]:
+    """One step per layer, copying ``src[l]`` into ``dst[l]`` (tensors ``[L, ...]``)."""
+    nbytes = src[0].numel() * src.element_size()
+    return [
+        CopyStep(
+            nbytes, range(layer, layer + 1), partial(_copy, src[layer], dst[layer], non_blocking)
+        )
+        for layer in range(len(src))
+    ]
+
+
+def _copy(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+    dst.copy_(src, non_blocking=non_blocking)
+
+
 def test_copies_data_exactly_layer_by_layer(link: Link) -> None:
     srcs = [torch.randn(4, 2, 3, 8, 5) for _ in range(3)]  # [L, 2, H, T, D]
     dsts = [torch.zeros_like(s) for s in srcs]
-    handle = link.submit(layer_copy_steps(srcs, dsts), num_layers=4)
+    steps = [step for s, d in zip(srcs, dsts, strict=True) for step in layer_steps(s, d)]
+    handle = link.submit(sorted(steps, key=lambda step: step.layers.start), num_layers=4)
     handle.wait_layer(0, timeout_s=WAIT_S)
     assert all(torch.equal(d[0], s[0]) for s, d in zip(srcs, dsts, strict=True))
     handle.wait(timeout_s=WAIT_S)
@@ -216,13 +231,13 @@ def test_cuda_link_copies_host_to_device_layer_by_layer() -> None:
     src = torch.randn(4, 2, 3, 8, 5).pin_memory()
     dst = torch.zeros(src.shape, device=device)
     with Link("host->device", max_inflight_bytes=1 << 30, device=device) as link:
-        handle = link.submit(layer_copy_steps([src], [dst], non_blocking=True), num_layers=4)
+        handle = link.submit(layer_steps(src, dst, non_blocking=True), num_layers=4)
         handle.wait_layer(0, timeout_s=WAIT_S)
         assert torch.equal(dst[0].cpu(), src[0])  # .cpu() runs on the current stream
         handle.wait(timeout_s=WAIT_S)
         assert torch.equal(dst.cpu(), src)
         back = torch.zeros(src.shape).pin_memory()
-        link.submit(layer_copy_steps([dst], [back], non_blocking=True), num_layers=4).wait()
+        link.submit(layer_steps(dst, back, non_blocking=True), num_layers=4).wait()
         torch.cuda.current_stream().synchronize()
         assert torch.equal(back, src)
         assert "cuda stream" in link.describe()

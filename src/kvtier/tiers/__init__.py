@@ -1,4 +1,7 @@
-"""Tiers: device, host and disk behind one interface (``Tier``)."""
+"""Tiers: device, host and disk behind one interface (``Tier``).
+
+The stack the manager builds comes from config through ``kvtier.tiers.registry``.
+"""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ A tier stores sealed chunks of one ``KVLayout`` in fixed-size slots, up to a byt
 Chunks are addressed by ``ChunkRef`` (key + token ids); a hit compares the token ids, so a
 key collision reads as a miss (counted in ``stats.collisions``), never as wrong KV.
 
-Thread-safety: every public method of ``Tier`` is thread-safe. The index, the eviction
-policy, the pins and the stats are guarded by one lock per tier; the data copies of
-``put`` and ``get_into`` run outside it on slots that are reserved (put) or pinned (get),
-so several threads can move data through one tier at once.
+Thread-safety: every public method of ``Tier`` is thread-safe. The index (slots, pins and
+eviction order: ``kvtier.tiers.index``) and the stats are guarded by one lock per tier;
+the data copies of ``put`` and ``get_into`` run outside it on slots that are reserved
+(put) or pinned (get), so several threads can move data through one tier at once.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 
 import torch
 
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
-from kvtier.policy.eviction import EvictionPolicy, make_policy
+from kvtier.tiers.index import ChunkIndex
 from kvtier.tiers.types import (
     ChunkLostError,
     EvictHook,
@@ -36,14 +36,6 @@ from kvtier.tiers.types import (
 __all__ = ["ChunkLostError", "EvictHook", "PutResult", "Tier", "TierFullError", "TierStats"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Entry:
-    ref: ChunkRef
-    slot: int
-    pins: int = 0
-    ready: bool = True  # False while a put is still copying into the slot
 
 
 class Tier(ABC):
@@ -76,10 +68,9 @@ class Tier(ABC):
         self.layout = layout
         self.capacity_bytes = int(capacity_bytes)
         self.num_slots = self.capacity_bytes // layout.chunk_nbytes
-        self._policy: EvictionPolicy = make_policy(eviction_policy)
-        self._entries: dict[ChunkKey, _Entry] = {}
         self._lock = threading.RLock()
         self._stats = TierStats()
+        self._index = ChunkIndex(name, eviction_policy, self._stats)
         self._on_evict: EvictHook | None = None
         self._write_fault: OSError | None = None  # set: writes are disabled
 
@@ -133,10 +124,7 @@ class Tier(ABC):
         and the policy entry.
         """
         with self._lock:
-            if ref.key in self._entries:
-                raise ValueError(f"{self.name}: chunk {ref.short()} restored twice")
-            self._entries[ref.key] = _Entry(ref=ref, slot=slot)
-            self._policy.insert(ref.key)
+            self._index.add(ref, slot, ready=True)
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -148,11 +136,11 @@ class Tier(ABC):
     def used_bytes(self) -> int:
         """Bytes held, counting slots reserved by puts still in progress."""
         with self._lock:
-            return len(self._entries) * self.chunk_nbytes
+            return self._index.num_entries * self.chunk_nbytes
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.ready)
+            return len(self._index)
 
     def set_evict_hook(self, hook: EvictHook | None) -> None:
         """Install the callback that sees each victim before its slot is freed."""
@@ -213,33 +201,22 @@ class Tier(ABC):
     def refs(self) -> list[ChunkRef]:
         """Every chunk held (a snapshot)."""
         with self._lock:
-            return [e.ref for e in self._entries.values() if e.ready]
+            return self._index.refs()
 
     def contains(self, ref: ChunkRef) -> bool:
         """True if the chunk is held with exactly these token ids. Does not count as use."""
         with self._lock:
-            entry = self._entries.get(ref.key)
-            return entry is not None and entry.ready and entry.ref.token_ids == ref.token_ids
+            return self._index.contains(ref)
 
     def pin(self, refs: Iterable[ChunkRef]) -> list[bool]:
         """Pin chunks so eviction skips them; False for each chunk not held. Pins nest."""
-        out = []
         with self._lock:
-            for ref in refs:
-                entry = self._match(ref)
-                if entry is not None:
-                    entry.pins += 1
-                out.append(entry is not None)
-        return out
+            return self._index.pin(refs)
 
     def unpin(self, refs: Iterable[ChunkRef]) -> None:
         """Undo one ``pin`` per chunk. Unpinning a chunk that is not pinned is an error."""
         with self._lock:
-            for ref in refs:
-                entry = self._entries.get(ref.key)
-                if entry is None or entry.pins == 0:
-                    raise RuntimeError(f"{self.name}: unpin of chunk {ref.short()} not pinned")
-                entry.pins -= 1
+            self._index.unpin(refs)
 
     def count_reads(self, hits: int, nbytes: int) -> None:
         """Record reads served straight from a pinned slot view (not via ``get_into``)."""
@@ -249,8 +226,7 @@ class Tier(ABC):
 
     def is_pinned(self, key: ChunkKey) -> bool:
         with self._lock:
-            entry = self._entries.get(key)
-            return entry is not None and entry.pins > 0
+            return self._index.is_pinned(key)
 
     def put(self, chunks: Sequence[Chunk]) -> PutResult:
         """Copy sealed chunks in, evicting unpinned chunks (policy order) to make room.
@@ -287,10 +263,7 @@ class Tier(ABC):
                     raise
                 elapsed = time.perf_counter() - start
                 with self._lock:
-                    entry = self._entries.get(chunk.key)
-                    if entry is not None and entry.slot == slot:
-                        entry.ready = True
-                        self._policy.insert(chunk.key)
+                    self._index.mark_ready(chunk.key, slot)
                     self._stats.puts += 1
                     self._stats.bytes_in += self.chunk_nbytes
                     self._stats.put_seconds += elapsed
@@ -316,14 +289,14 @@ class Tier(ABC):
         found = []
         for ref, out in zip(refs, outs, strict=True):
             with self._lock:
-                entry = self._match(ref)
+                entry = self._index.match(ref)
                 if entry is None:
                     self._stats.misses += as_use
                     found.append(False)
                     continue
                 entry.pins += 1
                 if as_use:
-                    self._policy.touch(ref.key)
+                    self._index.policy.touch(ref.key)
             start = time.perf_counter()
             try:
                 ok = self._read_slot(entry.slot, ref, out)
@@ -340,7 +313,7 @@ class Tier(ABC):
                 else:
                     self._stats.corrupt_dropped += 1
                     self._stats.misses += 1
-                    if entry.pins == 0 and self._entries.get(ref.key) is entry:
+                    if entry.pins == 0 and self._index.get(ref.key) is entry:
                         self._drop(ref.key)
             found.append(ok)
         return found
@@ -350,7 +323,7 @@ class Tier(ABC):
         dropped = 0
         with self._lock:
             for ref in refs:
-                entry = self._match(ref)
+                entry = self._index.match(ref)
                 if entry is not None and entry.pins == 0:
                     self._drop(ref.key)
                     dropped += 1
@@ -359,7 +332,7 @@ class Tier(ABC):
     def clear(self) -> None:
         """Drop every unpinned chunk (no evict hook: nothing is written back)."""
         with self._lock:
-            for key in [k for k, e in self._entries.items() if e.ready and e.pins == 0]:
+            for key in self._index.evictable_keys():
                 self._drop(key)
 
     def close(self) -> None:
@@ -368,20 +341,10 @@ class Tier(ABC):
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _match(self, ref: ChunkRef) -> _Entry | None:
-        """The ready entry for ``ref`` if its token ids match (lock held)."""
-        entry = self._entries.get(ref.key)
-        if entry is None or not entry.ready:
-            return None
-        if entry.ref.token_ids != ref.token_ids:
-            self._stats.collisions += 1
-            return None
-        return entry
-
     def _reserve(self, ref: ChunkRef, result: PutResult) -> int | None:
         """Reserve a slot for ``ref`` (evicting if needed); None if it is already held."""
         with self._lock:
-            existing = self._entries.get(ref.key)
+            existing = self._index.get(ref.key)
             if existing is not None:
                 if existing.ref.token_ids != ref.token_ids:
                     # A colliding key: keep the first chunk; the newcomer is not stored.
@@ -391,13 +354,12 @@ class Tier(ABC):
                 return None
             slot = self._alloc_slot()
             while slot is None:
-                victims = self._policy.victims(1, self._key_pinned)
-                if not victims:
+                victim = self._index.victim()
+                if victim is None:
                     raise TierFullError(
                         f"{self.name}: all {self.num_slots} slots are pinned or in use; "
                         f"unpin chunks or raise the {self.name} capacity"
                     )
-                victim = self._entries[victims[0]]  # type: ignore[index]
                 if self._on_evict is not None:
                     data = self._victim_data(victim.slot)
                     if data is None:
@@ -413,14 +375,10 @@ class Tier(ABC):
                 self._stats.evictions += 1
                 result.evicted.append(victim.ref)
                 slot = self._alloc_slot()
-            self._entries[ref.key] = _Entry(ref=ref, slot=slot, ready=False)
+            self._index.add(ref, slot, ready=False)
             return slot
 
-    def _key_pinned(self, key: Hashable) -> bool:
-        return self._entries[key].pins > 0  # type: ignore[index]
-
     def _drop(self, key: ChunkKey) -> None:
-        entry = self._entries.pop(key)
-        self._policy.remove(key)
+        entry = self._index.remove(key)
         self._forget_slot(entry.slot)
         self._free_slot(entry.slot)

@@ -15,7 +15,6 @@ a scan at open stops at each file's end.
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
 import os
@@ -29,16 +28,11 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
 from kvtier.tiers import disk_io
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk_format import (
-    MAX_KEY_NBYTES,
-    SlotFormat,
-    SlotHeader,
-    data_hasher,
-    find_segments,
-    lock_name,
-    segment_name,
-)
+from kvtier.tiers.disk_files import DiskFullError, SegmentFiles
+from kvtier.tiers.disk_format import MAX_KEY_NBYTES, SlotFormat, SlotHeader, data_hasher
 from kvtier.tiers.disk_io import Staging, copy_bytes
+
+__all__ = ["IO_THREADS", "PIECE_NBYTES", "DiskFullError", "DiskTier"]
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +40,6 @@ log = logging.getLogger(__name__)
 # move others, so the memory work hides behind the disk instead of adding to it.
 PIECE_NBYTES = 1 << 20
 IO_THREADS = 4
-
-
-class DiskFullError(OSError):
-    """A full filesystem under ``disk.path``, naming the file (what ``disable_writes`` logs)."""
 
 
 class DiskTier(Tier):
@@ -112,20 +102,24 @@ class DiskTier(Tier):
         self._format = SlotFormat.for_layout(layout)
         self.header_nbytes = self._format.header_nbytes
         self.slot_nbytes = self._format.slot_nbytes
-        self.segment_slots = max(1, segment_nbytes // self.slot_nbytes)
         self._data_end = self.header_nbytes + layout.chunk_nbytes  # in a slot
         # Slot byte ranges moved as one I/O each: the first holds the header.
         bounds = list(range(self.header_nbytes + PIECE_NBYTES, self.slot_nbytes, PIECE_NBYTES))
         self._pieces = list(zip([0, *bounds], [*bounds, self.slot_nbytes], strict=True))
-        self._fingerprint = self._format.fingerprint
-        self.o_direct = self._prepare_directory(use_o_direct)
-        self._lock_fd = self._lock_directory()
-        self._fds: dict[int, int] = {}  # segment -> fd
-        self._io_lock = threading.Lock()  # guards _fds, _next_seq and _closed
+        self._files = SegmentFiles(
+            self.path,
+            self._format.fingerprint,
+            max(1, segment_nbytes // self.slot_nbytes),
+            self.slot_nbytes,
+            self.header_nbytes,
+            use_o_direct,
+            fsync,
+        )
+        self.o_direct = self._files.o_direct
+        self._seq_lock = threading.Lock()  # guards _next_seq
         self._next_seq = 0
-        self._closed = False
+        self._pool_lock = threading.Lock()  # guards making _pool
         self._local = threading.local()  # per thread: staging buffer, segments to sync
-        self._zeros = Staging(self.header_nbytes).view  # an aligned free-slot header
         self._used: set[int] = set()
         self._free: list[int] = []  # a heap: the lowest free slot is taken first
         self._high_water = 0  # every slot from here on is free
@@ -138,38 +132,25 @@ class DiskTier(Tier):
 
     # ---- public API beyond Tier ---------------------------------------------------------
 
+    @property
+    def segment_slots(self) -> int:
+        """Slots per segment file (a reopened directory keeps its own)."""
+        return self._files.segment_slots
+
     def sync(self) -> None:
         """Make every chunk written so far durable (``fdatasync`` of every segment)."""
-        with self._io_lock:
-            segments = list(self._fds)
-        for segment in segments:
-            self._sync_fd(segment)
+        for segment in self._files.open_segments():
+            self._files.sync(segment)
 
     def slot_location(self, slot: int) -> tuple[str, int]:
         """The segment file and byte offset of a slot (for tools and tests)."""
-        segment, index = divmod(slot, self.segment_slots)
-        return self._segment_path(segment), index * self.slot_nbytes
+        return self._files.location(slot)
 
     def close(self) -> None:
         """Flush and close every segment file; the tier must not be used afterwards."""
-        with self._io_lock:
-            if self._closed:
-                return
-            self._closed = True
-            fds, self._fds = list(self._fds.values()), {}
         if self._pool is not None:
             self._pool.shutdown()
-        errors: list[OSError] = []
-        for fd in fds:
-            try:
-                disk_io.datasync(fd)
-            except OSError as exc:
-                errors.append(exc)
-            finally:
-                os.close(fd)
-        os.close(self._lock_fd)  # releases the flock
-        if errors:
-            raise errors[0]
+        self._files.close()
 
     # ---- slot storage -------------------------------------------------------------------
 
@@ -207,7 +188,7 @@ class DiskTier(Tier):
         offset, hasher = index * self.slot_nbytes, data_hasher()
         writes: list[Future[None]] = []
         try:
-            fd = self._segment_fd(segment)
+            fd = self._files.fd(segment)
             # Copy and hash piece i while pieces before it are being written; the first
             # piece goes down with the header (one write for a slot of one piece).
             for i, (start, end) in enumerate(self._pieces):
@@ -218,7 +199,7 @@ class DiskTier(Tier):
                     piece = staging.view[start:end]
                     write = self._io_pool().submit(disk_io.pwrite_all, fd, piece, offset + start)
                     writes.append(write)
-            with self._io_lock:
+            with self._seq_lock:
                 seq, self._next_seq = self._next_seq, self._next_seq + 1
             header = staging.view[:head]
             self._format.encode(header, seq, slot, chunk.key, token_bytes, hasher.intdigest())
@@ -226,7 +207,7 @@ class DiskTier(Tier):
             for write in writes:
                 write.result()
         except OSError as exc:
-            raise self._disk_error(exc, segment) from exc
+            raise self._files.error(exc, segment) from exc
         finally:
             for write in writes:  # the staging buffer is reused only once all have landed
                 write.exception()
@@ -272,7 +253,7 @@ class DiskTier(Tier):
         start = time.perf_counter()
         try:
             for segment in sorted(dirty):
-                self._sync_fd(segment)
+                self._files.sync(segment)
         except OSError as exc:  # the chunks stay readable, but may not survive a crash
             self.disable_writes(exc)
         dirty.clear()
@@ -281,75 +262,11 @@ class DiskTier(Tier):
 
     def _forget_slot(self, slot: int) -> None:
         try:
-            self._zero_header(slot)
+            self._files.zero_header(slot)
         except OSError as exc:
             # The chunk may come back after a restart; harmless, it is valid immutable KV.
             self._stats.io_errors += 1  # under the tier lock (called from _drop)
             log.warning("disk: could not invalidate slot %d in %s: %s", slot, self.path, exc)
-
-    # ---- files --------------------------------------------------------------------------
-
-    def _prepare_directory(self, use_o_direct: bool) -> bool:
-        """Create ``path`` if needed and check it takes writes; True if O_DIRECT works."""
-        try:
-            os.makedirs(self.path, exist_ok=True)
-            return disk_io.probe_writes(self.path, use_o_direct)
-        except OSError as exc:
-            raise ValueError(
-                f"disk.path: {self.path!r} is not a writable directory ({exc.strerror}); "
-                "give a directory kvtier can create and write"
-            ) from None
-
-    def _lock_directory(self) -> int:
-        """Take this layout's lock file in ``path``, so one process owns the segments."""
-        lock_path = os.path.join(self.path, lock_name(self._fingerprint))
-        fd = disk_io.lock_exclusive(lock_path)
-        if fd is None:
-            raise ValueError(
-                f"disk.path: {self.path!r} is in use by another disk tier (lock {lock_path}); "
-                "close it first or give each process its own directory"
-            )
-        return fd
-
-    def _segment_path(self, segment: int) -> str:
-        return os.path.join(self.path, segment_name(self._fingerprint, self.segment_slots, segment))
-
-    def _segment_fd(self, segment: int) -> int:
-        fd = self._fds.get(segment)
-        if fd is not None:
-            return fd
-        with self._io_lock:
-            if self._closed:
-                raise RuntimeError("disk: the tier is closed")
-            if segment not in self._fds:
-                self._fds[segment] = self._open_segment(segment)[0]
-            return self._fds[segment]
-
-    def _open_segment(self, segment: int) -> tuple[int, int]:
-        """Open a segment file, creating it if missing; returns (fd, its size)."""
-        return disk_io.open_file(self._segment_path(segment), self.o_direct, self.fsync)
-
-    def _sync_fd(self, segment: int) -> None:
-        try:
-            disk_io.datasync(self._fds[segment])
-        except OSError as exc:
-            raise self._disk_error(exc, segment) from exc
-
-    def _disk_error(self, exc: OSError, segment: int) -> OSError:
-        """``DiskFullError`` naming the file for a full disk; other errors as they are."""
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            return exc
-        return DiskFullError(
-            exc.errno,
-            f"disk.path: no space left on the device of {self._segment_path(segment)}; "
-            "free space there or lower disk.capacity_bytes",
-        )
-
-    def _zero_header(self, slot: int) -> None:
-        segment, index = divmod(slot, self.segment_slots)
-        fd = self._fds.get(segment)
-        if fd is not None:  # no file yet: nothing was ever written there
-            disk_io.pwrite_all(fd, self._zeros, index * self.slot_nbytes)
 
     # ---- per-thread state ---------------------------------------------------------------
 
@@ -363,7 +280,7 @@ class DiskTier(Tier):
     def _io_pool(self) -> ThreadPoolExecutor:
         """The I/O threads that move the pieces of a slot after the first."""
         if self._pool is None:
-            with self._io_lock:
+            with self._pool_lock:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvtier-disk")
         return self._pool
@@ -390,7 +307,7 @@ class DiskTier(Tier):
         """
         staging, head = self._staging(), self.header_nbytes
         segment, index = divmod(slot, self.segment_slots)
-        fd, offset = self._segment_fd(segment), index * self.slot_nbytes
+        fd, offset = self._files.fd(segment), index * self.slot_nbytes
         reads = [
             self._io_pool().submit(disk_io.pread_upto, fd, staging.view[start:end], offset + start)
             for start, end in self._pieces[1:]
@@ -421,29 +338,15 @@ class DiskTier(Tier):
 
     # ---- reopening ----------------------------------------------------------------------
 
-    def _adopt_segments(self) -> list[int]:
-        """The numbers of this layout's segments on disk; adopts their geometry."""
-        found = find_segments(os.listdir(self.path), self._fingerprint)
-        if len(found) > 1:
-            raise ValueError(
-                f"disk.path: {self.path!r} mixes segments of {sorted(found)} slots; "
-                "remove the stale files or give another directory"
-            )
-        if not found:
-            return []
-        ((self.segment_slots, segments),) = found.items()
-        return sorted(segments)
-
     def _scan(self, verify: bool) -> None:
         """Rebuild the index, the eviction order and the free slots from the headers."""
-        segments = self._adopt_segments()
+        segments = self._files.adopt()
         staging = self._staging()
         head = self.header_nbytes
         valid: list[SlotHeader] = []
         bad: list[int] = []
         for segment in segments:
-            fd, size = self._open_segment(segment)
-            self._fds[segment] = fd
+            fd, size = self._files.open_existing(segment)
             for index in range(self.segment_slots):
                 slot, offset = segment * self.segment_slots + index, index * self.slot_nbytes
                 if offset >= size:
@@ -477,7 +380,7 @@ class DiskTier(Tier):
             self._restore(header.ref(), header.slot)
             self._used.add(header.slot)
         for slot in bad:
-            self._zero_header(slot)
+            self._files.zero_header(slot)
         self._high_water = max(self._used) + 1 if self._used else 0
         self._free = [s for s in range(self._high_water) if s not in self._used]  # a heap
         if segments:

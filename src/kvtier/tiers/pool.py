@@ -88,7 +88,7 @@ class PoolTier(Tier):
     def slot_of(self, ref: ChunkRef) -> int | None:
         """The slot index of a held chunk (None if not held); stable while it is pinned."""
         with self._lock:
-            entry = self._match(ref)
+            entry = self._index.match(ref)
             return None if entry is None else entry.slot
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,10 +108,10 @@ class PoolTier(Tier):
         it must not be written to.
         """
         with self._lock:
-            entry = self._match(ref)
+            entry = self._index.match(ref)
             if entry is None:
                 return None
-            self._policy.touch(ref.key)
+            self._index.policy.touch(ref.key)
             return self.slot_data(entry.slot)
 
 

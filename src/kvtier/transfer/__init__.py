@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvtier.transfer.handle import TransferError, TransferHandle
 from kvtier.transfer.link import Link, LinkStats
-from kvtier.transfer.steps import CopyStep, layer_copy_steps
+from kvtier.transfer.steps import CopyStep
 from kvtier.transfer.throttle import Throttle, ThrottleClock, sleep_until
 
 __all__ = [
@@ -15,6 +15,5 @@ __all__ = [
     "ThrottleClock",
     "TransferError",
     "TransferHandle",
-    "layer_copy_steps",
     "sleep_until",
 ]
