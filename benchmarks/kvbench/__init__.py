@@ -2,4 +2,14 @@
 
 from __future__ import annotations
 
-BENCHMARKS = ("tiers", "decode", "reuse", "throughput", "serve", "multiturn", "tenants", "crash")
+BENCHMARKS = (
+    "tiers",
+    "decode",
+    "reuse",
+    "throughput",
+    "serve",
+    "multiturn",
+    "tenants",
+    "crash",
+    "writeback",
+)
