@@ -64,3 +64,44 @@ def test_no_import_circles() -> None:
         if name not in state:
             visit(name)
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def every_import(path: Path) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` of every import in a file, at any depth (functions included)."""
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append((node.module or "", [a.name for a in node.names]))
+    return found
+
+
+def modules_under(prefix: str) -> dict[str, Path]:
+    return {n: p for n, p in module_names().items() if n == prefix or n.startswith(prefix + ".")}
+
+
+def test_engine_uses_only_what_kvtier_hf_exports() -> None:
+    import kvtier.hf
+
+    exported = set(kvtier.hf.__all__)
+    wrong: list[str] = []
+    for name, path in modules_under("kvtier.engine").items():
+        for module, names in every_import(path):
+            if module.startswith("kvtier.hf."):
+                wrong.append(f"{name} imports {module}")
+            elif module == "kvtier.hf":
+                wrong += [f"{name} imports kvtier.hf.{n}" for n in names if n not in exported]
+    assert not wrong, "the engine reaches inside kvtier.hf: " + "; ".join(wrong)
+
+
+def test_runtime_is_framework_free() -> None:
+    banned = ("transformers", "kvtier.hf", "kvtier.engine", "kvtier.server")
+    wrong = [
+        f"{name} imports {module}"
+        for name, path in modules_under("kvtier.runtime").items()
+        for module, _ in every_import(path)
+        if any(module == b or module.startswith(b + ".") for b in banned)
+    ]
+    assert modules_under("kvtier.runtime")
+    assert not wrong, "kvtier.runtime must not depend on adapters: " + "; ".join(wrong)

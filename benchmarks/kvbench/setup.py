@@ -221,7 +221,7 @@ def link_gbps(device: torch.device) -> tuple[float, str]:
 
 
 def describe_link(gbps: float | None, device: torch.device) -> str:
-    """What ``TieredCache.streamer.describe()`` reports for a link of ``gbps`` (None: real)."""
+    """What ``TieredCache.stats().link_description`` reports for a link of ``gbps`` (None: real)."""
     throttle = Throttle(gbps) if gbps is not None else None
     link = Link("host->device", 1, throttle, device if device.type == "cuda" else None)
     try:

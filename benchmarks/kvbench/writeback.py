@@ -76,7 +76,7 @@ def sealed_chunks(manager: KVManager, count: int, seed: int) -> list[Chunk]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 49_152, (count * manager.layout.chunk_tokens,), generator=gen)
     shape = manager.layout.chunk_shape
-    return [Chunk(ref, torch.randn(shape, generator=gen)) for ref in manager.refs_for(ids)]
+    return [Chunk(ref, torch.randn(shape, generator=gen)) for ref in manager.refs_for(ids.numpy())]
 
 
 def decode_run(args: Any, compute: Compute, with_disk: bool, repeat: int) -> dict[str, Any]:

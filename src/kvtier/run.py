@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     first = as_turn(result, ids, tokenizer)
     first_stats = cache.stats()
-    link_desc = cache.streamer.describe() if cache.streamer is not None else "idle"
+    link_desc = first_stats.link_description
     cache.close()
 
     # Turn 2: a follow-up on the same document with a fresh device tier.

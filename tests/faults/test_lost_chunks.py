@@ -34,14 +34,16 @@ def test_lost_chunk_raises_chunk_lost_and_a_resume_recomputes_it() -> None:
     cache = TieredCache(model, config, manager)
     with torch.no_grad():
         model(ids[:, :80], cache=cache)  # five sealed chunks
-        assert len(cache.refs[0]) == 5
-        lost = cache.refs[0][2]
+        assert len(cache.kv.state.refs[0]) == 5
+        lost = cache.kv.state.refs[0][2]
         assert manager.host.remove([lost]) == 1  # gone from every tier (never on disk)
-        assert cache.device_tier is not None and not cache.device_tier.contains(lost)
+        assert not any(pool.contains(lost) for pool in cache.kv.arena.pools)
         with pytest.raises(ChunkLostError) as caught:
             model(ids[:, 80:81], cache=cache)
         assert caught.value.cause == "missing" and caught.value.num_chunks == 3
-        assert not any(manager.host.is_pinned(r.key) for r in cache.refs[0])  # none left pinned
+        assert not any(
+            manager.host.is_pinned(r.key) for r in cache.kv.state.refs[0]
+        )  # none left pinned
         assert manager.stats().recomputed_chunks_by_cause == {"corrupt": 0, "missing": 1}
 
         cache.reset()  # the resume: adopt what is left, recompute the rest

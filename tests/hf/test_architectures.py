@@ -115,6 +115,14 @@ def test_greedy_tokens_equal_dynamic_cache(name: str, budget_chunks: int) -> Non
         got = model.generate(ids, cache=cache, **GREEDY)
     assert torch.equal(got, expected)
     assert cache.peak_device_nbytes <= cache.config.device_budget_bytes
+    # Sliding layers never hold more than their window (whole chunks) besides the tail.
+    arena = cache.kv.arena
+    for g, group in enumerate(arena.groups):
+        reach = group.window_chunks(CHUNK)
+        if reach is not None:
+            chunk_nbytes = group.layout(arena.layout).chunk_nbytes
+            assert arena.peak_group_nbytes[g] <= reach * chunk_nbytes
+            assert reach * CHUNK < group.window + CHUNK
 
 
 def make_manager(model: Any, disk: Any) -> KVManager:

@@ -1,4 +1,4 @@
-"""The sequences' caches: one ``TieredCache`` per sequence that may run, reserved at start.
+"""The sequences' caches: one ``SequenceKV`` per sequence that may run, reserved at start.
 
 Paired verbs: ``take`` a cache for an admitted sequence, ``give_back`` the cache of one that
 finished or was preempted (its chunks stay in the lower tiers), ``replace`` one whose state
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtier.hf import TieredCache
+from kvtier.runtime import SequenceKV
 
 
 class CachePool:
@@ -20,36 +20,35 @@ class CachePool:
     Args:
         new: builds one cache (unreserved).
         size: caches to keep, one per sequence that may run at once.
-        open_chunks: chunks one forward may seal per sequence (``TieredCache.reserve``).
+        open_chunks: chunks one forward may seal per sequence (``SequenceKV.reserve``).
     """
 
-    def __init__(self, new: Callable[[], TieredCache], size: int, open_chunks: int) -> None:
+    def __init__(self, new: Callable[[], SequenceKV], size: int, open_chunks: int) -> None:
         self._new = new
         self._open_chunks = open_chunks
-        self.all: list[TieredCache] = [self._fresh() for _ in range(size)]
-        self._idle: list[TieredCache] = list(self.all)
+        self.all: list[SequenceKV] = [self._fresh() for _ in range(size)]
+        self._idle: list[SequenceKV] = list(self.all)
 
     @property
     def idle(self) -> int:
         """Caches no sequence holds."""
         return len(self._idle)
 
-    def take(self) -> TieredCache:
+    def take(self) -> SequenceKV:
         """An empty cache for an admitted sequence; the caller checked ``idle``."""
         return self._idle.pop()
 
-    def give_back(self, cache: TieredCache) -> None:
+    def give_back(self, cache: SequenceKV) -> None:
         """Keep a finished (or preempted) sequence's cache for the next one, emptied.
 
         The sequence's chunks are in the host tier already. The device tier is cleared, so
         it fills from slot 0 again and the next sequence's resident chunks lie end to end
         (attention reads them without a mask)."""
         cache.reset()
-        if cache.device_tier is not None:
-            cache.device_tier.clear()
+        cache.clear_device()
         self._idle.append(cache)
 
-    def replace(self, cache: TieredCache) -> None:
+    def replace(self, cache: SequenceKV) -> None:
         """Close a cache whose state is unknown after an error; a fresh one takes its place."""
         cache.close()
         fresh = self._fresh()
@@ -62,7 +61,7 @@ class CachePool:
             cache.close()
         self.all, self._idle = [], []
 
-    def _fresh(self) -> TieredCache:
+    def _fresh(self) -> SequenceKV:
         cache = self._new()
         cache.reserve(open_chunks=self._open_chunks)
         return cache

@@ -37,11 +37,10 @@ from kvtier.engine.request import (
 )
 from kvtier.engine.sampling import TextStream, eos_ids
 from kvtier.engine.stats import EngineCounters, EngineStats
-from kvtier.hf import TieredCache
-from kvtier.hf.cache import CacheStats
-from kvtier.kv import KVLayout
+from kvtier.hf import attach, model_spec
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
+from kvtier.runtime import CacheStats, SequenceKV
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 class Engine:
     """Generates for queued requests from one model, over kvtier's tiers.
 
-    The engine reserves one ``TieredCache`` per sequence it may run at once
+    The engine reserves one ``kvtier.runtime.SequenceKV`` per sequence it may run at once
     (``config.max_running``: its own device tier, tail and device⇄host link) when it
     starts, over one shared ``KVManager`` (host and disk tiers). Sealed chunks stay in the
     tiers after a request, so a later request or conversation turn that shares a prefix
@@ -88,12 +87,14 @@ class Engine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.eos_ids = eos_ids(model, tokenizer)
         self._owns_manager = manager is None
+        # Refuse, with the reason, a model kvtier cannot run exactly (before any state).
+        chunk_tokens = manager.layout.chunk_tokens if manager else self.config.manager.chunk_tokens
+        self.spec = model_spec(model, chunk_tokens)
         if manager is None:
-            dtype = next(model.parameters()).dtype
-            chunk_tokens = self.config.manager.chunk_tokens
-            layout = KVLayout.from_model_config(model.config, dtype, chunk_tokens)
-            manager = KVManager(layout, self.model_id, self.config.manager)
+            manager = KVManager(self.spec.layout, self.model_id, self.config.manager)
+        self.spec.check_manager(manager)
         self.manager = manager
+        attach(model)
         from kvtier.engine.scheduler import BatchScheduler
 
         self._scheduler = BatchScheduler(self)  # reserves the caches (the device budget)
@@ -107,14 +108,13 @@ class Engine:
         self._ids = itertools.count()
         self.counters = EngineCounters()
         caches = self._scheduler.caches.all
-        device_tier = caches[0].device_tier if caches else None  # all reserved alike
         layout = self.manager.layout
         self.limits = Limits(
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             chunk_tokens=layout.chunk_tokens,
             chunk_nbytes=layout.chunk_nbytes,
-            device_slots=device_tier.num_slots if device_tier is not None else 0,
+            device_slots=self._device_slots(caches[0] if caches else None),
             host_slots=self.manager.host.num_slots,
         )
         self._worker = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
@@ -302,7 +302,7 @@ class Engine:
     # ---- the worker ------------------------------------------------------------------------
 
     @property
-    def caches(self) -> list[TieredCache]:
+    def caches(self) -> list[SequenceKV]:
         """The sequences' caches (each with its device tier), reserved at start."""
         return list(self._scheduler.caches.all)
 
@@ -383,8 +383,21 @@ class Engine:
             names.append(tier.name)
         return names
 
-    def _new_cache(self) -> TieredCache:
-        return TieredCache(self.model, self.config.cache, self.manager, model_id=self.model_id)
+    def _device_slots(self, cache: SequenceKV | None) -> int:
+        """Chunks one sequence's arena keeps resident (all reserved alike); a model of
+        sliding layers only keeps its windows, so any context fits."""
+        if cache is None:
+            return 0
+        slots = cache.arena.resident_slots
+        return (
+            slots if slots is not None else self.max_model_len // self.spec.layout.chunk_tokens + 1
+        )
+
+    def _new_cache(self) -> SequenceKV:
+        device = torch.device(self.config.cache.device or self.device)
+        return SequenceKV(
+            self.manager, self.spec.windows, self.config.cache, device, self.spec.model_type
+        )
 
 
 # How long a worker still inside a step after a drain timeout gets to reach the next step.

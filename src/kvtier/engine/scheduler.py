@@ -4,12 +4,12 @@ Every ``step`` reads schedule → run → postprocess:
 
 1. **schedule**: start disk→host prefetches for queued requests' cached chunks; admit the
    oldest waiting sequences while the device budget has room for their caches (each
-   running sequence holds one ``TieredCache`` of ``cache.device_budget_bytes``); when the
+   running sequence holds one ``SequenceKV`` of ``cache.device_budget_bytes``); when the
    oldest has waited ``preempt_after_s`` and nothing fits, preempt the youngest decoding
    sequence that has run that long, once no admitted sequence is still prefilling (its
    sealed chunks are already in host and stay there or go down to disk; it resumes later
    through ``reuse_prefix``).
-2. **run**: one forward over the step's tokens packed in one row (``BatchCache``): the
+2. **run**: one forward over the step's tokens packed in one row (``kvtier.hf.PackedCache``): the
    next prefill piece (whole chunks) of the oldest admitted sequences still prefilling
    (one chunk, or up to ``prefill_tokens_per_step`` tokens), and the last token of every
    decoding sequence (different lengths, no padding).
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.engine.batch_cache import BatchCache
 from kvtier.engine.cache_pool import CachePool
 from kvtier.engine.request import RequestHandle, TokenEvent
 from kvtier.engine.sampling import TextStream, make_generator, sample, token_logprobs
 from kvtier.engine.sequence import Sequence
+from kvtier.hf import PackedCache
 from kvtier.kv.chunk import ChunkRef
 from kvtier.tiers import ChunkLostError
 
@@ -308,7 +308,7 @@ class BatchScheduler:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(seq)
         caches = [seq.cache for seq, _, _ in work if seq.cache is not None]
-        batch = BatchCache(engine.model, caches, [stop - start for _, start, stop in work])
+        batch = PackedCache(caches, [stop - start for _, start, stop in work])
         device = engine.device
         try:
             out = engine.model(

@@ -12,7 +12,7 @@ import torch
 
 from kvtier.engine.request import RequestHandle
 from kvtier.engine.sampling import TextStream
-from kvtier.hf import TieredCache
+from kvtier.runtime import SequenceKV
 
 
 @dataclass(eq=False)
@@ -30,7 +30,7 @@ class Sequence:
     waiting_since_s: float
     generated: int = 0
     last_token_s: float = 0.0
-    cache: TieredCache | None = None
+    cache: SequenceKV | None = None
     admitted: int = -1  # admission order; the youngest has the largest
     admitted_s: float = 0.0
     admissions: int = 0

@@ -11,8 +11,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvtier.hf.cache import CacheStats
 from kvtier.manager import ManagerStats
+from kvtier.runtime import CacheStats
 
 # Seconds; spans an inter-token gap on a GPU to a long prefill behind a queue on a CPU.
 LATENCY_BUCKETS_S: tuple[float, ...] = (

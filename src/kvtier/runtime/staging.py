@@ -8,7 +8,7 @@ reused as soon as its attention has been computed (``release``), so device memor
 streaming is a fixed allowance, ``ring_slots × piece_chunks × layer_nbytes``, whatever the
 context length.
 
-Thread-safety: a ``Streamer`` is driven by the one thread running the forward pass; the
+Thread-safety: a ``StagingRing`` is driven by the one thread running the forward pass; the
 copies run on the link's worker.
 """
 
@@ -41,21 +41,11 @@ class Piece:
     chunk_idx: tuple[int, ...]
 
 
-def cut_pieces(
-    num_layers: int,
-    chunks: list[tuple[int, int, int]],
-    piece_chunks: int,
-    first_chunk: list[int] | None = None,
-) -> list[Piece]:
-    """Pieces for every layer, layer-major, from ``(host_slot, row, chunk_idx)`` triples.
-
-    ``first_chunk[layer]``: the layer needs no chunk before this index (a sliding-window
-    layer whose window starts later), so its pieces leave them out.
-    """
+def cut_pieces(chunks_by_layer: list[list[tuple[int, int, int]]], piece_chunks: int) -> list[Piece]:
+    """Pieces for every layer, layer-major, from each layer's ``(host_slot, row, chunk_idx)``
+    triples (the chunks that layer streams)."""
     pieces = []
-    for layer in range(num_layers):
-        first = first_chunk[layer] if first_chunk is not None else 0
-        needed = [c for c in chunks if c[2] >= first] if first else chunks
+    for layer, needed in enumerate(chunks_by_layer):
         for start in range(0, len(needed), piece_chunks):
             group = needed[start : start + piece_chunks]
             pieces.append(
@@ -69,7 +59,7 @@ def cut_pieces(
     return pieces
 
 
-class Streamer:
+class StagingRing:
     """Copies pieces host → device ahead of need, within a fixed staging allowance.
 
     Args:

@@ -1,0 +1,238 @@
+"""Attention over a layer's segments: resident chunks, streamed pieces, recent tokens.
+
+``attend(view, query, scale)`` attends one batch's layer (``LayerKV``) and
+``attend_packed(view, query, scale)`` several sequences packed in one row (``PackedKV``).
+Each segment is attended with its log-sum-exp and the results are merged exactly
+(``kvtier.attention.merge``), so no pass concatenates the cache. Sliding-window layers mask
+every segment by its keys' absolute positions. The functions only read the views (and
+acquire/release the staging ring's pieces); they mutate no cache state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.attention import SegmentResult, attend_flat, attend_own_keys, attend_segment, merge
+from kvtier.runtime.view import LayerKV, PackedKV
+
+
+def attend(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``query [B, Hq, Sq, D]`` over one layer's segments → ``[B, Hq, Sq, D]``."""
+    if view.window is not None:
+        return _attend_windowed(view, query, scale, view.window)
+    return _attend_full(view, query, scale)
+
+
+def attend_packed(view: PackedKV, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``query [1, Hq, N, D]`` of packed spans → ``[1, N, Hq, D]``, each span over its own
+    sequence's KV.
+
+    Decode spans (one query) of full-attention layers whose whole KV is resident and
+    unpadded take a fast path: one attention call per segment and row, and one merge for
+    all of them.
+    """
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    decodes: list[tuple[int, LayerKV]] = []
+    for (start, length), row in zip(view.spans, view.rows, strict=True):
+        if length == 1 and row.window is None and row.all_resident:
+            decodes.append((start, row))
+            continue
+        result = attend(row, query[:, :, start : start + length], scale)
+        out[:, start : start + length] = result.transpose(1, 2)
+    if decodes:
+        _attend_decodes(decodes, query, scale, out)
+    return out
+
+
+def _attend_decodes(
+    decodes: list[tuple[int, LayerKV]], query: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """One query per row over its resident chunks and its tail; writes ``out[0, start]``.
+
+    No mask applies (the one query is the newest token), so each segment is one fused call
+    on the query heads folded per KV head (``[1, Hkv, G, D]``); rows with resident chunks
+    get two partial results, merged for all rows at once.
+    """
+    _, hq, _, dim = query.shape
+    hkv = decodes[0][1].recent_key.shape[1]
+    folded = query[0].to(torch.float32).reshape(hkv, hq // hkv, -1, dim)  # [Hkv, G, N, D]
+    merged: list[tuple[list[int], SegmentResult]] = []
+    both: list[int] = []
+    tail_only: list[int] = []
+    resident: list[SegmentResult] = []
+    tails: list[SegmentResult] = []
+    tails_alone: list[SegmentResult] = []
+    for start, row in decodes:
+        q = folded[None, :, :, start]  # [1, Hkv, G, D]
+        tail = SegmentResult(
+            *attend_flat(
+                q, row.recent_key.to(torch.float32), row.recent_value.to(torch.float32), None, scale
+            )
+        )
+        if row.resident_key is None or row.resident_value is None:
+            tail_only.append(start)
+            tails_alone.append(tail)
+            continue
+        keys = row.resident_key.reshape(1, hkv, -1, dim).to(torch.float32)
+        values = row.resident_value.reshape(1, hkv, -1, dim).to(torch.float32)
+        resident.append(SegmentResult(*attend_flat(q, keys, values, None, scale)))
+        tails.append(tail)
+        both.append(start)
+    if both:
+        merged.append((both, merge([_stack(resident), _stack(tails)])))
+    if tail_only:
+        merged.append((tail_only, _stack(tails_alone)))
+    for starts, result in merged:
+        index = torch.tensor(starts, dtype=torch.long, device=out.device)
+        rows = result.out.reshape(len(starts), hq, dim).to(out.dtype)  # [R, Hq, D]
+        out[0].index_copy_(0, index, rows)
+
+
+def _stack(results: list[SegmentResult]) -> SegmentResult:
+    """Rows of batch-1 results ``[1, ...]`` as one result ``[R, ...]``."""
+    return SegmentResult(torch.cat([r.out for r in results]), torch.cat([r.lse for r in results]))
+
+
+def _attend_full(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """Segments of one full-attention layer, merged; queries in blocks to bound the score
+    matrix.
+
+    On the CPU the queries are one block: torch's fused flash kernel tiles them itself.
+    A pass that starts on a chunk boundary (no tail before it) and has no padding attends
+    its new tokens with the kernel's causal flag instead of a mask.
+    """
+    sq = query.shape[2]
+    block = sq if query.device.type == "cpu" else view.query_block_tokens
+    starts = list(range(0, sq, block))
+    partial: list[list[SegmentResult]] = [[] for _ in starts]
+    if view.resident_key is not None and view.resident_value is not None:
+        _attend_blocks(
+            partial,
+            query,
+            starts,
+            block,
+            view.resident_key,
+            view.resident_value,
+            view.resident_valid,
+            scale,
+        )
+    for index, _, valid in view.pieces:
+        keys, values = view.staging.acquire(index)  # [H, n*T, D]
+        _attend_blocks(partial, query, starts, block, keys, values, valid, scale)
+        view.staging.release(index)
+    recent_len = view.recent_key.shape[2]
+    if len(starts) == 1 and recent_len == sq and view.recent_valid is None and sq > 1:
+        partial[0].append(attend_own_keys(query, view.recent_key, view.recent_value, scale))
+        starts = []
+    for i, start in enumerate(starts):
+        q = query[:, :, start : start + block]
+        partial[i].append(
+            attend_segment(
+                q,
+                view.recent_key,
+                view.recent_value,
+                scale,
+                query_positions=view.query_start + start,
+                key_start=view.recent_start,
+                valid_mask=view.recent_valid,
+            )
+        )
+    outs = [merge(results).out for results in partial]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.to(query.dtype)
+
+
+def _attend_windowed(view: LayerKV, query: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """A sliding-window layer: each query sees the keys ``q - window < k <= q`` only.
+
+    The same segments as a full layer, each attended with a mask of its keys' absolute
+    positions. The plan holds and streams this layer only the chunks its window reaches;
+    resident chunks wholly before the window are not read. Queries in one block: a window
+    bounds what each sees, not the score matrix.
+    """
+    sq = query.shape[2]
+    size = view.chunk_tokens
+    q0 = view.query_start
+    device = query.device
+    q_pos = torch.arange(q0, q0 + sq, device=device)
+    oldest = q0 - window + 1  # no query sees a key before this
+
+    def in_window(k_pos: torch.Tensor) -> torch.Tensor:  # [Sk] -> [1, 1, Sq, Sk] bool
+        return (k_pos[None, :] > q_pos[:, None] - window)[None, None]
+
+    def chunk_positions(chunks: tuple[int, ...]) -> torch.Tensor:  # [len * T]; -1: no chunk
+        base = torch.tensor(chunks, dtype=torch.long, device=device)[:, None] * size
+        pos = base + torch.arange(size, device=device)
+        return torch.where(base >= 0, pos, torch.full_like(pos, -(2**40))).flatten()
+
+    results: list[SegmentResult] = []
+    chunks = view.resident_chunks
+    if (
+        view.resident_key is not None
+        and view.resident_value is not None
+        and max(chunks) >= 0
+        and (max(chunks) + 1) * size > oldest
+    ):
+        mask = in_window(chunk_positions(chunks))
+        results.append(
+            _attend_sealed(
+                query, view.resident_key, view.resident_value, scale, view.resident_valid, mask
+            )
+        )
+    for index, piece, valid in view.pieces:
+        keys, values = view.staging.acquire(index)  # [H, n*T, D]
+        if (max(piece.chunk_idx) + 1) * size > oldest:
+            mask = in_window(chunk_positions(piece.chunk_idx))
+            results.append(_attend_sealed(query, keys, values, scale, valid, mask))
+        view.staging.release(index)
+    recent_len = view.recent_key.shape[2]
+    recent_pos = torch.arange(view.recent_start, view.recent_start + recent_len, device=device)
+    results.append(
+        attend_segment(
+            query,
+            view.recent_key,
+            view.recent_value,
+            scale,
+            query_positions=q0,
+            key_start=view.recent_start,
+            valid_mask=view.recent_valid,
+            mask=in_window(recent_pos),
+        )
+    )
+    return merge(results).out.to(query.dtype)
+
+
+def _attend_blocks(
+    partial: list[list[SegmentResult]],
+    query: torch.Tensor,
+    starts: list[int],
+    block: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+) -> None:
+    """Attend every query block to sealed chunks ``[H, n*T, D]`` shared by the batch.
+
+    Sealed chunks precede every query, so no causal rule applies; ``valid [B, n*T]`` masks
+    padding and tokens of other rows.
+    """
+    for i, start in enumerate(starts):
+        q = query[:, :, start : start + block]
+        partial[i].append(_attend_sealed(q, keys, values, scale, valid))
+
+
+def _attend_sealed(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    valid: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
+) -> SegmentResult:
+    """``query [B, Hq, Sq, D]`` over sealed chunks ``[H, n*T, D]`` shared by the batch
+    (broadcast, not copied); ``valid [B, n*T]`` masks padding and other rows' tokens."""
+    batch = query.shape[0]
+    k = keys.unsqueeze(0).expand(batch, *keys.shape)
+    v = values.unsqueeze(0).expand(batch, *values.shape)
+    return attend_segment(query, k, v, scale, valid_mask=valid, mask=mask)

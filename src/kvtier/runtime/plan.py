@@ -1,0 +1,252 @@
+"""The plan of one forward pass: per layer group, what is resident and what streams.
+
+``plan_forward`` pins every sealed chunk a pass needs where it lies — in the group's
+device pool (resident) or in host (streamed over the device⇄host link, disk chunks
+promoted first) — and precomputes what every layer's attention reads: the contiguous
+slot range of the resident chunks with their padding mask, the streamed pieces with
+theirs, and the recent tokens' mask. ``release`` undoes the pins.
+
+Per chunk range the plan records a ``Decision``. Today a range is resident or streamed;
+the cost model of a later issue adds host attention and recompute here, and the dispatch
+of ``kvtier.runtime.dispatch`` reads the decisions through the per-layer views.
+
+A plan is built and released by the thread running the pass; attention only reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvtier.kv.chunk import ChunkRef
+from kvtier.manager import KVManager
+from kvtier.runtime.arena import DeviceArena
+from kvtier.runtime.staging import Piece, StagingRing, cut_pieces
+from kvtier.runtime.state import SequenceState
+from kvtier.tiers.base import ChunkLostError
+from kvtier.tiers.pool import PoolTier
+
+
+class Decision(Enum):
+    """Where a chunk range's attention reads its KV."""
+
+    RESIDENT = "resident"  # the group's device pool
+    STREAM = "stream"  # host -> staging ring, layer by layer
+
+
+@dataclass(frozen=True)
+class ChunkRange:
+    """Chunks ``[start, stop)`` of ``row`` for the layers of group ``group``."""
+
+    group: int
+    row: int
+    start: int
+    stop: int
+    decision: Decision
+
+
+@dataclass
+class Resident:
+    """One group's resident chunks for a pass.
+
+    Attributes:
+        pins: the chunks pinned in the group's pool for the pass.
+        positions: ``(row, chunk index)`` of each pin.
+        slots: the pool slots attention reads (one contiguous range).
+        chunks: the chunk index in each of those slots (-1: a slot this pass does not use).
+        valid: ``[B, n*T]`` which of those keys each row may see; None: all.
+    """
+
+    pins: list[ChunkRef] = field(default_factory=list)
+    positions: list[tuple[int, int]] = field(default_factory=list)  # (row, chunk) per pin
+    slots: slice = field(default_factory=lambda: slice(0, 0))
+    chunks: list[int] = field(default_factory=list)
+    valid: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardPlan:
+    """One forward pass over a batch (see the module docstring)."""
+
+    sealed_before: int
+    tail_before: int
+    new_tokens: int
+    query_start: int  # absolute position of the first new token
+    resident: list[Resident] = field(default_factory=list)  # by group
+    pieces: list[Piece] = field(default_factory=list)
+    pieces_by_layer: list[list[int]] = field(default_factory=list)
+    piece_valid: dict[int, torch.Tensor | None] = field(default_factory=dict)  # [B, n*T]
+    host_pins: list[ChunkRef] = field(default_factory=list)
+    recent_valid: torch.Tensor | None = None  # [B, tail_before + new]; None: all real
+    ranges: list[ChunkRange] = field(default_factory=list)
+    layers_written: int = 0
+    token_ids: torch.Tensor | None = None  # [B, seq_len + N]: committed when the pass ends
+    valid: torch.Tensor | None = None  # [B, seq_len + N]
+
+
+def plan_forward(
+    state: SequenceState,
+    valid: torch.Tensor,
+    arena: DeviceArena,
+    host: PoolTier,
+    manager: KVManager,
+    staging: StagingRing,
+    new_tokens: int,
+) -> ForwardPlan:
+    """Pin what a pass over ``new_tokens`` needs and plan its reads; ``valid`` is the
+    padding of every token with the new ones (``state.extended``). Mutates pins only.
+
+    Raises:
+        ChunkLostError: a needed chunk is in no tier; nothing is left pinned.
+    """
+    size = arena.layout.chunk_tokens
+    query_start = state.seq_len
+    plan = ForwardPlan(state.sealed_chunks, state.tail_len, new_tokens, query_start)
+    streamed_by_group = _pin(plan, state, arena, host, manager, query_start)
+    device = arena.device
+    rows = state.rows
+    for g, resident in enumerate(plan.resident):
+        pool = arena.pools[g]
+        slots = [pool.slot_of(r) for r in resident.pins]  # pinned: never None
+        lo = min((s for s in slots if s is not None), default=0)
+        hi = max((s + 1 for s in slots if s is not None), default=0)
+        # Attention reads one contiguous range of slots; slots in it that this pass does
+        # not use stay masked out.
+        mask = torch.zeros(rows, hi - lo, size, dtype=torch.bool)
+        resident.chunks = [-1] * (hi - lo)
+        for slot, (row, chunk) in zip(slots, resident.positions, strict=True):
+            assert slot is not None
+            mask[row, slot - lo] = valid[row, chunk * size : (chunk + 1) * size]
+            resident.chunks[slot - lo] = chunk
+        resident.slots = slice(lo, hi)
+        resident.valid = _flat_mask(mask, device)
+    by_layer: list[list[tuple[int, int, int]]] = [[] for _ in range(arena.layout.num_layers)]
+    for g, group in enumerate(arena.groups):
+        for layer in group.layers:
+            by_layer[layer] = streamed_by_group[g]
+    plan.pieces = cut_pieces(by_layer, staging.piece_chunks)
+    plan.pieces_by_layer = [[] for _ in range(arena.layout.num_layers)]
+    masks: dict[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor | None] = {}
+    for index, piece in enumerate(plan.pieces):
+        plan.pieces_by_layer[piece.layer_idx].append(index)
+        key = (piece.rows, piece.chunk_idx)  # layers share most pieces' chunks
+        if key not in masks:
+            mask = torch.zeros(rows, len(piece.host_slots), size, dtype=torch.bool)
+            for j, (row, chunk) in enumerate(zip(*key, strict=True)):
+                mask[row, j] = valid[row, chunk * size : (chunk + 1) * size]
+            masks[key] = _flat_mask(mask, device)
+        plan.piece_valid[index] = masks[key]
+    recent = valid[:, plan.sealed_before * size :]
+    plan.recent_valid = None if bool(recent.all()) else recent.to(device)
+    return plan
+
+
+def _pin(
+    plan: ForwardPlan,
+    state: SequenceState,
+    arena: DeviceArena,
+    host: PoolTier,
+    manager: KVManager,
+    query_start: int,
+) -> list[list[tuple[int, int, int]]]:
+    """Pin every needed sealed chunk in its group's pool or in host; returns per group the
+    streamed ones as ``(host slot, row, chunk)``.
+
+    A sliding group needs no chunk before the window of the pass's first query.
+    """
+    size = arena.layout.chunk_tokens
+    streamed: list[list[tuple[int, int]]] = []
+    for g, group in enumerate(arena.groups):
+        pool = arena.pools[g]
+        first = group.first_chunk(query_start, size)
+        resident = Resident()
+        todo: list[tuple[int, int]] = []
+        for row, row_refs in enumerate(state.refs):
+            for chunk in range(first, len(row_refs)):
+                if pool.num_slots and pool.pin([row_refs[chunk]])[0]:
+                    resident.pins.append(row_refs[chunk])
+                    resident.positions.append((row, chunk))
+                    decision = Decision.RESIDENT
+                else:
+                    todo.append((row, chunk))
+                    decision = Decision.STREAM
+                _extend(plan.ranges, ChunkRange(g, row, chunk, chunk + 1, decision))
+        plan.resident.append(resident)
+        streamed.append(todo)
+    needed = sorted({rc for todo in streamed for rc in todo})
+    missing = [state.refs[r][c] for r, c in needed if not host.contains(state.refs[r][c])]
+    outcomes = dict(zip(missing, manager.promote(missing), strict=True))
+    host_slot: dict[tuple[int, int], int] = {}
+    lost: dict[int, tuple[int, str]] = {}  # row -> (first chunk lost, cause)
+    for row, chunk in needed:
+        ref = state.refs[row][chunk]
+        if row in lost or not host.pin([ref])[0]:
+            if row not in lost:
+                lost[row] = (chunk, "corrupt" if outcomes.get(ref) == "corrupt" else "missing")
+            continue
+        plan.host_pins.append(ref)
+        slot = host.slot_of(ref)
+        assert slot is not None
+        host_slot[(row, chunk)] = slot
+    if lost:
+        release(plan, arena, host)
+        _raise_lost(state, manager, host, outcomes, lost)
+    return [[(host_slot[(r, c)], r, c) for r, c in todo] for todo in streamed]
+
+
+def _extend(ranges: list[ChunkRange], item: ChunkRange) -> None:
+    """Append a one-chunk range, merged into the last one when it continues it."""
+    last = ranges[-1] if ranges else None
+    if last is not None and (last.group, last.row, last.decision, last.stop) == (
+        item.group,
+        item.row,
+        item.decision,
+        item.start,
+    ):
+        ranges[-1] = ChunkRange(last.group, last.row, last.start, item.stop, last.decision)
+    else:
+        ranges.append(item)
+
+
+def _raise_lost(
+    state: SequenceState,
+    manager: KVManager,
+    host: PoolTier,
+    outcomes: dict[ChunkRef, str],
+    lost: dict[int, tuple[int, str]],
+) -> None:
+    gone = sum(
+        1
+        for row, (chunk, _) in lost.items()
+        for ref in state.refs[row][chunk:]
+        if outcomes.get(ref) != "corrupt" and manager.locate(ref) is None
+    )
+    if gone:  # (corrupt ones were counted where they were found)
+        manager.count_recompute("missing", gone)
+    row, (chunk, cause) = next(iter(lost.items()))
+    ref = state.refs[row][chunk]
+    raise ChunkLostError(
+        f"chunk {ref.short()} of sequence {row} is in no tier ({cause}); resume it from "
+        f"its cached prefix (host capacity {host.capacity_bytes} bytes may be too small for "
+        "the context)",
+        cause=cause,
+        num_chunks=sum(len(state.refs[r]) - c for r, (c, _) in lost.items()),
+    )
+
+
+def _flat_mask(mask: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``[B, S, T]`` → ``[B, S*T]`` on the device, or None when every token is visible."""
+    return None if bool(mask.all()) else mask.flatten(1).to(device)
+
+
+def release(plan: ForwardPlan, arena: DeviceArena, host: PoolTier) -> None:
+    """Unpin what ``plan_forward`` pinned (the caller finished the staging ring first)."""
+    for g, resident in enumerate(plan.resident):
+        if resident.pins and arena.pools:
+            arena.pools[g].unpin(resident.pins)
+        resident.pins = []
+    if plan.host_pins:
+        host.unpin(plan.host_pins)
+        plan.host_pins = []
