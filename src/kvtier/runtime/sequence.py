@@ -25,7 +25,7 @@ from kvtier.config import TieredCacheConfig
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.spec import check_update
-from kvtier.manager import KVManager
+from kvtier.manager import KVManager, LookupResult
 from kvtier.runtime.arena import DeviceArena
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ForwardPlan, plan_forward, release
@@ -248,7 +248,15 @@ class SequenceKV:
 
     # ---- sequences ----------------------------------------------------------------------
 
-    def reuse_prefix(self, input_ids: torch.Tensor, salt: str = "") -> int:
+    def prefix_limit(self, num_tokens: int) -> int:
+        """The most tokens of a ``num_tokens`` prompt a prefix hit can cover: whole chunks,
+        leaving at least the last token to compute."""
+        size = self.layout.chunk_tokens
+        return ((num_tokens - 1) // size) * size
+
+    def reuse_prefix(
+        self, input_ids: torch.Tensor, salt: str = "", match: LookupResult | None = None
+    ) -> int:
         """Adopt the longest cached prefix of a prompt from any tier; returns its tokens.
 
         Call on an empty state. At least one prompt token is left to compute (the model
@@ -261,6 +269,9 @@ class SequenceKV:
         first (blocking), and only the leading run that host then holds is adopted; the
         rest of the prefix is recomputed, and the chunks lost are counted in the manager's
         ``recomputed_chunks_by_cause`` (``"corrupt"`` or ``"missing"``).
+
+        ``match``: the caller's lookup of the one row's ``input_ids[:prefix_limit]`` under
+        ``salt`` (an engine looks a prompt up once, at admission); None looks it up here.
         """
         if self.state.seq_len:
             raise ValueError("reuse_prefix: the cache already holds tokens; call reset() first")
@@ -268,9 +279,11 @@ class SequenceKV:
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         size = self.layout.chunk_tokens
-        limit = ((ids.shape[1] - 1) // size) * size
+        limit = self.prefix_limit(ids.shape[1])
         self.state.salt = salt
-        hits = [self.manager.lookup(row[:limit], salt) for row in ids]
+        if match is not None and (ids.shape[0] != 1 or match.hit_tokens > limit):
+            raise ValueError("match: a lookup of one row's prefix (at most prefix_limit tokens)")
+        hits = [match] if match is not None else [self.manager.lookup(r[:limit], salt) for r in ids]
         hit_chunks = min(len(h.refs) for h in hits)
         if hit_chunks == 0:
             return 0
