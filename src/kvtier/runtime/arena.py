@@ -9,7 +9,13 @@ Device memory of a batch of ``rows`` sequences, all counted against one budget::
     full pool        [Lf, 2, H, T, D] × what is left          sinks (pinned), then newest
 
 A sliding group therefore never holds more than its window (rounded up to whole chunks)
-plus the tail per sequence. The staging ring for streamed chunks is a fixed allowance
+plus the tail per sequence.
+
+Residency is an index the arena keeps from its own events: a chunk becomes resident when
+``place`` puts it, and stops when a put evicts it, ``place`` drops it from a window, or
+``clear`` empties the pool. The pools are private to the arena and change only in those
+calls (between passes), so a pass reads ``slot_of`` without pinning or taking a lock per
+chunk. The staging ring for streamed chunks is a fixed allowance
 outside the budget (``kvtier.runtime.staging``). The buffer of chunks completed during a
 pass lives on the compute device, so a sealed chunk is copied device → host once (by the
 manager's ``store``) and placed on the device from there without crossing the link.
@@ -27,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
 from kvtier.runtime.groups import LayerGroup
 from kvtier.tiers.base import TierStats
@@ -68,6 +75,7 @@ class DeviceArena:
         self.open: torch.Tensor | None = None  # [B, f, L, 2, H, T, D]: chunks of a pass
         self._sinks: list[ChunkRef] = []  # pinned in the full pool
         self.peak_group_nbytes = [0] * len(self.groups)  # most each pool held after a place
+        self._slots: list[dict[ChunkKey, int]] = [{} for _ in self.groups]  # resident: slot
 
     # ---- sizes --------------------------------------------------------------------------
 
@@ -148,6 +156,10 @@ class DeviceArena:
             self.open = torch.zeros(shape, dtype=self.layout.dtype, device=self.device)
         return self.open
 
+    def slot_of(self, group_idx: int, ref: ChunkRef) -> int | None:
+        """The slot of a resident chunk in group ``group_idx``'s pool; None: not resident."""
+        return self._slots[group_idx].get(ref.key)
+
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values in its group's pool, ``[H, S, T, D]`` each."""
         g, local = self.where[layer_idx]
@@ -174,27 +186,43 @@ class DeviceArena:
                 return chunk if whole else Chunk(chunk.ref, chunk.data[layers])
 
             if group.window is None:
-                self._place_full(pool, [(i, part(c)) for _, i, c in chunks])
+                self._place_full(g, [(i, part(c)) for _, i, c in chunks])
                 continue
             size = self.layout.chunk_tokens
             keep: list[Chunk] = []
             for row, row_refs in enumerate(refs):
                 first = group.first_chunk(len(row_refs) * size, size)
-                pool.remove(row_refs[:first])  # out of the window for good
+                gone = [r for r in row_refs[:first] if r.key in self._slots[g]]
+                pool.remove(gone)  # out of the window for good
+                for ref in gone:
+                    self._slots[g].pop(ref.key, None)
                 keep += [part(c) for r, i, c in chunks if r == row and i >= first]
             if keep and pool.num_slots:
-                pool.put(keep[-pool.num_slots :])
+                self._put(g, keep[-pool.num_slots :])
         for g, pool in enumerate(self.pools):
             self.peak_group_nbytes[g] = max(self.peak_group_nbytes[g], pool.used_bytes)
 
-    def _place_full(self, pool: PoolTier, chunks: list[tuple[int, Chunk]]) -> None:
+    def _put(self, group_idx: int, chunks: list[Chunk]) -> None:
+        """Put chunks in a pool and record the residency events: stored and evicted."""
+        pool, slots = self.pools[group_idx], self._slots[group_idx]
+        result = pool.put(chunks)
+        for ref in result.evicted:
+            slots.pop(ref.key, None)
+        for chunk in chunks:
+            if chunk.key in result.stored or chunk.key in result.already_present:
+                slot = pool.slot_of(chunk.ref)
+                if slot is not None:
+                    slots[chunk.key] = slot
+
+    def _place_full(self, group_idx: int, chunks: list[tuple[int, Chunk]]) -> None:
         """Keep the sinks (pinned) and the newest sealed chunks resident."""
+        pool = self.pools[group_idx]
         room = pool.num_slots - len(self._sinks)
         sinks = [c for i, c in chunks if i < self.sink_chunks]
         others = [c for i, c in chunks if i >= self.sink_chunks]
         sinks = sinks[: max(0, room - 1)]  # always leave one slot for recent chunks
         newest = others[-(room - len(sinks)) :] if room - len(sinks) > 0 else []
-        pool.put(sinks + newest)
+        self._put(group_idx, sinks + newest)
         for chunk in sinks:
             if pool.pin([chunk.ref])[0]:
                 self._sinks.append(chunk.ref)
@@ -212,12 +240,14 @@ class DeviceArena:
         self.unpin_sinks()
         for pool in self.pools:
             pool.clear()
+        self._slots = [{} for _ in self.groups]
 
     def close_pools(self) -> None:
         self.unpin_sinks()
         for pool in self.pools:
             pool.close()
         self.pools = []
+        self._slots = [{} for _ in self.groups]
 
     def close(self) -> None:
         """Release the pools; the arena may be ``ensure``d again."""

@@ -1,10 +1,11 @@
 """The plan of one forward pass: per layer group, what is resident and what streams.
 
-``plan_forward`` pins every sealed chunk a pass needs where it lies — in the group's
-device pool (resident) or in host (streamed over the device⇄host link, disk chunks
-promoted first) — and precomputes what every layer's attention reads: the contiguous
-slot range of the resident chunks with their padding mask, the streamed pieces with
-theirs, and the recent tokens' mask. ``release`` undoes the pins.
+``plan_forward`` finds every sealed chunk a pass needs where it lies — in the group's
+device pool (resident: the arena's residency index says so, nothing to pin) or in host
+(pinned, streamed over the device⇄host link; disk chunks promoted first) — and
+precomputes what every layer's attention reads: the contiguous slot range of the resident
+chunks with their padding mask, the streamed pieces with theirs, and the recent tokens'
+mask. ``release`` unpins the host chunks.
 
 Per chunk range the plan records a ``Decision``. Today a range is resident or streamed;
 the cost model of a later issue adds host attention and recompute here, and the dispatch
@@ -52,15 +53,15 @@ class Resident:
     """One group's resident chunks for a pass.
 
     Attributes:
-        pins: the chunks pinned in the group's pool for the pass.
-        positions: ``(row, chunk index)`` of each pin.
+        positions: ``(row, chunk index)`` of each resident chunk the pass reads.
+        pool_slots: the slot of each of them in the group's pool.
         slots: the pool slots attention reads (one contiguous range).
         chunks: the chunk index in each of those slots (-1: a slot this pass does not use).
         valid: ``[B, n*T]`` which of those keys each row may see; None: all.
     """
 
-    pins: list[ChunkRef] = field(default_factory=list)
-    positions: list[tuple[int, int]] = field(default_factory=list)  # (row, chunk) per pin
+    positions: list[tuple[int, int]] = field(default_factory=list)
+    pool_slots: list[int] = field(default_factory=list)
     slots: slice = field(default_factory=lambda: slice(0, 0))
     chunks: list[int] = field(default_factory=list)
     valid: torch.Tensor | None = None
@@ -107,17 +108,15 @@ def plan_forward(
     streamed_by_group = _pin(plan, state, arena, host, manager, query_start)
     device = arena.device
     rows = state.rows
-    for g, resident in enumerate(plan.resident):
-        pool = arena.pools[g]
-        slots = [pool.slot_of(r) for r in resident.pins]  # pinned: never None
-        lo = min((s for s in slots if s is not None), default=0)
-        hi = max((s + 1 for s in slots if s is not None), default=0)
+    for resident in plan.resident:
+        slots = resident.pool_slots
+        lo = min(slots, default=0)
+        hi = max((s + 1 for s in slots), default=0)
         # Attention reads one contiguous range of slots; slots in it that this pass does
         # not use stay masked out.
         mask = torch.zeros(rows, hi - lo, size, dtype=torch.bool)
         resident.chunks = [-1] * (hi - lo)
         for slot, (row, chunk) in zip(slots, resident.positions, strict=True):
-            assert slot is not None
             mask[row, slot - lo] = valid[row, chunk * size : (chunk + 1) * size]
             resident.chunks[slot - lo] = chunk
         resident.slots = slice(lo, hi)
@@ -151,23 +150,24 @@ def _pin(
     manager: KVManager,
     query_start: int,
 ) -> list[list[tuple[int, int, int]]]:
-    """Pin every needed sealed chunk in its group's pool or in host; returns per group the
-    streamed ones as ``(host slot, row, chunk)``.
+    """Find every needed sealed chunk in its group's pool (the arena's residency index:
+    nothing to pin) or pin it in host; returns per group the streamed ones as
+    ``(host slot, row, chunk)``.
 
     A sliding group needs no chunk before the window of the pass's first query.
     """
     size = arena.layout.chunk_tokens
     streamed: list[list[tuple[int, int]]] = []
     for g, group in enumerate(arena.groups):
-        pool = arena.pools[g]
         first = group.first_chunk(query_start, size)
         resident = Resident()
         todo: list[tuple[int, int]] = []
         for row, row_refs in enumerate(state.refs):
             for chunk in range(first, len(row_refs)):
-                if pool.num_slots and pool.pin([row_refs[chunk]])[0]:
-                    resident.pins.append(row_refs[chunk])
+                slot = arena.slot_of(g, row_refs[chunk])
+                if slot is not None:
                     resident.positions.append((row, chunk))
+                    resident.pool_slots.append(slot)
                     decision = Decision.RESIDENT
                 else:
                     todo.append((row, chunk))
@@ -191,7 +191,7 @@ def _pin(
         assert slot is not None
         host_slot[(row, chunk)] = slot
     if lost:
-        release(plan, arena, host)
+        release(plan, host)
         _raise_lost(state, manager, host, outcomes, lost)
     return [[(host_slot[(r, c)], r, c) for r, c in todo] for todo in streamed]
 
@@ -241,12 +241,8 @@ def _flat_mask(mask: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     return None if bool(mask.all()) else mask.flatten(1).to(device)
 
 
-def release(plan: ForwardPlan, arena: DeviceArena, host: PoolTier) -> None:
+def release(plan: ForwardPlan, host: PoolTier) -> None:
     """Unpin what ``plan_forward`` pinned (the caller finished the staging ring first)."""
-    for g, resident in enumerate(plan.resident):
-        if resident.pins and arena.pools:
-            arena.pools[g].unpin(resident.pins)
-        resident.pins = []
     if plan.host_pins:
         host.unpin(plan.host_pins)
         plan.host_pins = []

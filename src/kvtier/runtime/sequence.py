@@ -171,7 +171,7 @@ class SequenceKV:
         g, _ = self.arena.where[layer_idx]
         resident = plan.resident[g]
         res_k = res_v = None
-        if resident.pins:
+        if resident.positions:
             k, v = self.arena.layer_kv(layer_idx)  # [H, S, T, D]
             heads, dim = k.shape[0], k.shape[-1]
             # Slots lo..hi-1 of this layer, end to end: one [H, n*T, D] sequence, no copy.
@@ -243,7 +243,7 @@ class SequenceKV:
             return
         if self.staging is not None:
             self.staging.finish()
-        release(plan, self.arena, self.host)
+        release(plan, self.host)
         self.plan = None
 
     # ---- sequences ----------------------------------------------------------------------
