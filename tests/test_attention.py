@@ -2,20 +2,84 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import Tensor
 
 from kvtier.attention import (
-    KVSegment,
     SegmentResult,
     attend_own_keys,
     attend_segment,
     empty_result,
     merge,
-    segmented_attention,
 )
+
+HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class KVSegment:
+    """A range of one layer's KV for the tests: ``key``/``value [B, Hkv, Sk, D]`` from
+    absolute position ``start_pos``; ``on_host`` segments are attended on the CPU."""
+
+    key: Tensor
+    value: Tensor
+    start_pos: int = 0
+    valid_mask: Tensor | None = None
+    on_host: bool = False
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + int(self.key.shape[2])
+
+
+def segmented_attention(
+    query: Tensor,
+    segments: list[KVSegment],
+    scale: float,
+    *,
+    query_positions: Tensor | int | None = None,
+    causal: bool = True,
+    mask: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The segments' attention from ``attend_segment`` and ``merge`` (host ones on the CPU,
+    their merged result shipped back), as the runtime composes them."""
+    positions: Tensor | int | None = None
+    if causal:
+        if query_positions is None:
+            newest = max((s.end_pos for s in segments), default=query.shape[2])
+            query_positions = newest - query.shape[2]
+        positions = query_positions
+
+    def one(s: KVSegment, device: torch.device) -> SegmentResult:
+        q = query.to(device)
+        pos = positions.to(device) if isinstance(positions, Tensor) else positions
+        m = mask.to(device) if mask is not None else None
+        if m is not None and m.shape[-1] != 1:
+            m = m[..., s.start_pos : s.end_pos]
+        valid = s.valid_mask.to(device) if s.valid_mask is not None else None
+        return attend_segment(
+            q,
+            s.key.to(device),
+            s.value.to(device),
+            scale,
+            query_positions=pos,
+            key_start=s.start_pos,
+            valid_mask=valid,
+            mask=m,
+        )
+
+    partial = [one(s, query.device) for s in segments if not s.on_host]
+    hosted = [one(s, HOST) for s in segments if s.on_host]
+    if hosted:
+        host = merge(hosted)
+        partial.append(SegmentResult(host.out.to(query.device), host.lse.to(query.device)))
+    result = merge(partial) if partial else empty_result(query)
+    out = result.out.to(query.dtype)
+    return (out, result.lse) if return_lse else out
 
 
 def reference(
@@ -232,24 +296,6 @@ def test_host_segments_with_cuda_query() -> None:
     assert out.device.type == "cuda"
     expected = reference(query, key, value, 0.25, torch.tensor([total - 1]))
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
-
-
-def test_on_host_rejects_device_segments() -> None:
-    key = torch.empty(1, 1, 2, 4, device="meta")
-    with pytest.raises(ValueError, match="on_host"):
-        KVSegment(key, key, on_host=True)
-
-
-def test_segment_validation() -> None:
-    key = torch.zeros(2, 1, 3, 4)
-    with pytest.raises(ValueError, match="key/value"):
-        KVSegment(key, torch.zeros(2, 1, 4, 4))
-    with pytest.raises(ValueError, match="valid_mask"):
-        KVSegment(key, key, valid_mask=torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="start_pos"):
-        KVSegment(key, key, start_pos=-1)
-    segment = KVSegment(key, key, start_pos=5)
-    assert (segment.num_tokens, segment.end_pos) == (3, 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

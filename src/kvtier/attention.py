@@ -8,8 +8,9 @@ exactly (the flash-decoding merge)::
     m = max_i lse_i;  w_i = exp(lse_i - m);  out = sum_i w_i out_i / sum_i w_i;
     lse = m + log(sum_i w_i)
 
-so no step concatenates the whole cache, and a host-side segment is computed on the CPU
-where it lies: the query travels to the host and only ``out`` and ``lse`` come back.
+so no step concatenates the whole cache, and a segment can be computed where it lies (a
+host-side segment on the CPU: the query travels there and only ``out`` and ``lse`` come
+back). ``kvtier.runtime.dispatch`` composes these pieces for a layer's segments.
 
 Masking model: a key at absolute position ``k`` is visible to a query at position ``q`` iff
 ``k <= q`` (causal, when query positions are given), its segment's ``valid_mask`` is True
@@ -17,20 +18,17 @@ Masking model: a key at absolute position ``k`` is visible to a query at positio
 segment gets ``lse = -inf`` and ``out = 0`` and drops out of the merge without NaN.
 
 Numerics: scores, softmax and the weighted sum run in float32 (bf16/fp16 inputs are
-upcast); partial results stay float32; ``segmented_attention`` returns the query dtype.
+upcast); partial results stay float32; callers cast the merged output back.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
-
-HOST = torch.device("cpu")
 
 
 class SegmentResult(NamedTuple):
@@ -45,57 +43,6 @@ class SegmentResult(NamedTuple):
 
     out: Tensor
     lse: Tensor
-
-
-@dataclass(frozen=True)
-class KVSegment:
-    """A contiguous range of one layer's cached KV for every sequence in the batch.
-
-    Attributes:
-        key: ``[B, Hkv, Sk, D]``.
-        value: ``[B, Hkv, Sk, D]``.
-        start_pos: absolute position (cache slot) of the segment's first token; token ``j``
-            sits at ``start_pos + j``.
-        valid_mask: optional ``[B, Sk]`` bool, False for padding slots.
-        on_host: True if the segment stays in host memory and is attended to there (the query
-            is shipped to the host); False if it is attended to on the query's device (it is
-            copied there first if it is elsewhere).
-    """
-
-    key: Tensor
-    value: Tensor
-    start_pos: int = 0
-    valid_mask: Tensor | None = None
-    on_host: bool = False
-
-    def __post_init__(self) -> None:
-        if self.key.dim() != 4 or self.key.shape != self.value.shape:
-            raise ValueError(
-                f"key/value: must both be [B, Hkv, Sk, D], got {tuple(self.key.shape)} and "
-                f"{tuple(self.value.shape)}"
-            )
-        if self.start_pos < 0:
-            raise ValueError(f"start_pos: must be >= 0, got {self.start_pos}")
-        if self.valid_mask is not None and self.valid_mask.shape != (
-            self.key.shape[0],
-            self.key.shape[2],
-        ):
-            raise ValueError(
-                f"valid_mask: must be [B, Sk] = {(self.key.shape[0], self.key.shape[2])}, "
-                f"got {tuple(self.valid_mask.shape)}"
-            )
-        if self.on_host and self.key.device.type != "cpu":
-            raise ValueError(f"on_host: the segment lies on {self.key.device}, not on the host")
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens (cache slots) in the segment."""
-        return int(self.key.shape[2])
-
-    @property
-    def end_pos(self) -> int:
-        """One past the absolute position of the segment's last token."""
-        return self.start_pos + self.num_tokens
 
 
 def empty_result(query: Tensor) -> SegmentResult:
@@ -275,102 +222,6 @@ def merge(results: Sequence[SegmentResult]) -> SegmentResult:
     for weight, result in zip(weights[1:], results[1:], strict=True):
         out.addcmul_(result.out, weight)
     return SegmentResult(out, lse)
-
-
-def segmented_attention(
-    query: Tensor,
-    segments: Sequence[KVSegment],
-    scale: float,
-    *,
-    query_positions: Tensor | int | None = None,
-    causal: bool = True,
-    mask: Tensor | None = None,
-    return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention of ``query`` over the union of ``segments``, merged exactly.
-
-    Host segments share one copy of the query, shipped before the device segments are queued,
-    so on a CUDA device those kernels run while the CPU works on the host segments; host
-    results are merged on the host and one ``(out, lse)`` pair travels back.
-
-    Args:
-        query: ``[B, Hq, Sq, D]`` (after RoPE).
-        segments: the layer's KV, in any order; positions must not overlap.
-        scale: multiplier of the scores (usually ``D ** -0.5``).
-        query_positions: absolute positions of the queries (int start, ``[Sq]`` or
-            ``[B, Sq]``); default: the last ``Sq`` positions, ending at the largest
-            ``end_pos`` of the segments (the new tokens are the newest in the cache).
-        causal: apply ``key_pos <= query_pos``; False lets every query see every valid key.
-        mask: optional extra mask broadcastable to ``[B, Hq, Sq, P]`` whose column ``p`` is
-            absolute position ``p`` (e.g. the 4D mask transformers builds over the cache);
-            bool (True = attend) or additive float. Each segment reads its columns.
-        return_lse: also return the merged ``lse [B, Hq, Sq]`` (float32).
-
-    Returns:
-        ``out [B, Hq, Sq, D]`` in the query dtype, or ``(out, lse)`` if ``return_lse``.
-    """
-    positions: Tensor | int | None = None
-    if causal:
-        if query_positions is None:
-            newest = max((s.end_pos for s in segments), default=query.shape[2])
-            query_positions = newest - query.shape[2]
-        positions = query_positions
-
-    hosted = [s for s in segments if s.on_host]
-    if hosted:
-        # Ship the query (and positions, mask) once, before the device work is queued: on CUDA
-        # the copy then waits only for the query, and the device segments' kernels run while
-        # the CPU attends to the host segments.
-        host_query = query.to(HOST)
-        host_positions = positions.to(HOST) if isinstance(positions, Tensor) else positions
-        host_mask = mask.to(HOST) if mask is not None else None
-    partial = [
-        _attend(query, s, scale, positions, mask, query.device) for s in segments if not s.on_host
-    ]
-    if hosted:
-        # Host results are merged on the host, so one (out, lse) pair travels back.
-        host = merge(
-            [_attend(host_query, s, scale, host_positions, host_mask, HOST) for s in hosted]
-        )
-        partial.append(
-            SegmentResult(
-                host.out.to(query.device, non_blocking=True),
-                host.lse.to(query.device, non_blocking=True),
-            )
-        )
-    result = merge(partial) if partial else empty_result(query)
-    out = result.out.to(query.dtype)
-    return (out, result.lse) if return_lse else out
-
-
-def _attend(
-    query: Tensor,
-    segment: KVSegment,
-    scale: float,
-    positions: Tensor | int | None,
-    mask: Tensor | None,
-    device: torch.device,
-) -> SegmentResult:
-    """One segment on ``device`` (the query's device, or the host for host segments)."""
-    key, value, valid = segment.key, segment.value, segment.valid_mask
-    if mask is not None and mask.shape[-1] != 1:
-        mask = mask[..., segment.start_pos : segment.end_pos]
-    if key.device != device:
-        # A device segment kept elsewhere is streamed to the query's device.
-        key = key.to(device, non_blocking=True)
-        value = value.to(device, non_blocking=True)
-    if valid is not None and valid.device != device:
-        valid = valid.to(device, non_blocking=True)
-    return attend_segment(
-        query,
-        key,
-        value,
-        scale,
-        query_positions=positions,
-        key_start=segment.start_pos,
-        valid_mask=valid,
-        mask=mask,
-    )
 
 
 def _entirely_future(query_positions: Tensor | int | None, sq: int, key_start: int) -> bool:
