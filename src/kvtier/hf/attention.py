@@ -1,4 +1,4 @@
-"""kvtier's attention for transformers: registration, the mask hook and the input-id hook.
+"""kvtier's attention for transformers: registration, the mask hook and the forward hooks.
 
 ``attach(model)`` registers ``"kvtier"`` in transformers' ``AttentionInterface`` and
 ``AttentionMaskInterface``, switches the model to it, and hooks the model's forward so a
