@@ -12,7 +12,8 @@ import torch
 import uvicorn
 
 from kvtier.engine import Engine, EngineClosedError, SamplingParams
-from kvtier.engine import scheduler as scheduler_module
+from kvtier.engine import postprocess as postprocess_module
+from kvtier.engine import sequence as sequence_module
 from kvtier.engine.sampling import TextStream, sample
 from tests.engine.tiny import CHUNK, engine_config, reference_tokens
 
@@ -49,7 +50,7 @@ def test_a_failing_generator_set_up_fails_alone(
             raise RuntimeError("generator set-up fault")
         return torch.Generator().manual_seed(seed or 0)
 
-    monkeypatch.setattr(scheduler_module, "make_generator", make_generator)
+    monkeypatch.setattr(sequence_module, "make_generator", make_generator)
     with Engine(model, tokenizer, engine_config()) as engine:
         poison = SamplingParams(temperature=1, seed=POISON_SEED, max_tokens=8)
         check_alone(model, engine, poison, "generator set-up fault")
@@ -63,7 +64,7 @@ def test_a_failing_sample_fails_alone(
             raise RuntimeError("sampling fault")
         return sample(logits, params, generator)
 
-    monkeypatch.setattr(scheduler_module, "sample", faulty)
+    monkeypatch.setattr(postprocess_module, "sample", faulty)
     with Engine(model, tokenizer, engine_config()) as engine:
         poison = SamplingParams(temperature=1, seed=POISON_SEED, max_tokens=8)
         check_alone(model, engine, poison, "sampling fault")

@@ -1,21 +1,23 @@
-"""The serving engine: admission queue, a worker that generates, token streaming, stats.
+"""The serving engine: the public API, the hand-off queue and the worker thread.
+
+``Engine`` owns the worker thread, the ``Handoff`` (thread-safe: ``submit`` from any thread
+puts a handle there; the worker moves handles into the scheduler's waiting line) and the
+``EngineMetrics`` it shares with the scheduler. The worker runs
+``kvtier.engine.scheduler.Scheduler``: continuous batching, a ``step()`` over every running
+sequence — schedule → run (one forward packing prefill pieces and every decoding
+sequence's next token) → postprocess. ``max_batch_size = 1`` serves one request at a time
+in admission order.
 
 Each request reuses the longest cached prefix of its prompt from any tier, prefills the
 rest in chunk-sized pieces, then decodes token by token with its own sampling parameters.
-The worker runs ``kvtier.engine.scheduler.BatchScheduler``: continuous batching, a
-``step()`` over every running sequence — schedule → run (one forward packing prefill pieces
-and every decoding sequence's next token) → postprocess. ``max_batch_size = 1`` serves one
-request at a time in admission order.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-import math
 import threading
-import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,20 +25,20 @@ import torch
 
 from kvtier.engine.admission import Limits, check_fits, check_prompt_length
 from kvtier.engine.config import EngineConfig
+from kvtier.engine.handoff import Handoff
+from kvtier.engine.metrics import EngineMetrics
 from kvtier.engine.request import (
     EngineClosedError,
-    FinishReason,
     ParamError,
-    QueueFullError,
     Request,
     RequestHandle,
     SamplingParams,
-    TokenEvent,
-    TokenLogprobs,
     as_prompt_ids,
 )
-from kvtier.engine.sampling import TextStream, eos_ids
-from kvtier.engine.stats import EngineCounters, EngineStats
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import eos_ids
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.stats import EngineStats
 from kvtier.hf import attach, model_spec
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
@@ -95,18 +97,28 @@ class Engine:
         self.spec.check_manager(manager)
         self.manager = manager
         attach(model)
-        from kvtier.engine.scheduler import BatchScheduler
-
-        self._scheduler = BatchScheduler(self)  # reserves the caches (the device budget)
-        self._cond = threading.Condition()
-        self._queue: deque[RequestHandle] = deque()
-        self._running: list[RequestHandle] = []
-        self._resuming: list[RequestHandle] = []  # preempted, waiting to resume
-        self._closing = False
-        self._closed = False
-        self._dead: str | None = None  # why the worker died, once it has
+        self.metrics = EngineMetrics()
+        self._handoff = Handoff(self.config.max_queued, self.config.max_running, self.metrics)
+        new_cache = functools.partial(
+            SequenceKV,
+            self.manager,
+            self.spec.windows,
+            self.config.cache,
+            torch.device(self.config.cache.device or self.device),
+            self.spec.model_type,
+        )
+        self._scheduler = Scheduler(  # reserves the caches (the device budget)
+            ModelRunner(model, self.device),
+            tokenizer,
+            self.manager,
+            self.config,
+            new_cache,
+            self._handoff,
+            self.metrics,
+            self.eos_ids,
+        )
+        self._close_lock = threading.Lock()  # one close at a time
         self._ids = itertools.count()
-        self.counters = EngineCounters()
         caches = self._scheduler.caches.all
         layout = self.manager.layout
         self.limits = Limits(
@@ -184,73 +196,29 @@ class Engine:
         check_fits(ids, params, self.limits)
         request_id = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(Request(request_id, ids, params, cache_salt))
-        with self._cond:
-            if self._dead is not None:
-                raise EngineClosedError(f"the engine's worker died ({self._dead})")
-            if self._closing:
-                raise EngineClosedError("the engine is shutting down and accepts no requests")
-            if len(self._queue) >= self.config.max_queued:
-                self.counters.add("rejected")
-                raise QueueFullError(
-                    f"the request queue is full ({self.config.max_queued} waiting); retry later",
-                    self._retry_after_s(),
-                )
-            self._queue.append(handle)
-            self.counters.add("submitted")
-            self._cond.notify_all()
+        self._handoff.put(handle)
         return handle
 
     def stats(self) -> EngineStats:
-        """A snapshot of counters, latencies and the tiers' stats."""
-        counts, by_tier, max_batch = self.counters.snapshot()
-        with self._cond:
-            depth = len(self._queue) + len(self._resuming)
-            running = len(self._running)
-        return EngineStats(
-            requests_submitted=counts["submitted"],
-            requests_finished=counts["finished"],
-            requests_cancelled=counts["cancelled"],
-            requests_failed=counts["failed"],
-            requests_rejected=counts["rejected"],
-            queue_depth=depth,
-            running=running,
-            prompt_tokens=counts["prompt_tokens"],
-            generated_tokens=counts["generated_tokens"],
-            reused_tokens=counts["reused_tokens"],
-            reused_tokens_by_tier=by_tier,
-            ttft=self.counters.ttft.snapshot(),
-            inter_token=self.counters.inter_token.snapshot(),
+        """A snapshot of counters, latencies, occupancy and the tiers' stats."""
+        now = self._handoff.occupancy()
+        caches = [c.stats() for c in self.caches]
+        return self.metrics.stats(
+            queue_depth=now.queued + now.resuming,
+            running=now.running,
             manager=self.manager.stats(),
-            cache=CacheStats.total(caches)
-            if (caches := [c.stats() for c in self.caches])
-            else None,
-            decode_steps=counts["decode_steps"],
-            decode_rows=counts["decode_rows"],
-            max_decode_batch=max_batch,
-            preemptions=counts["preemptions"],
-            prefetched_chunks=counts["prefetched_chunks"],
-            isolated_failures=counts["isolated_failures"],
-            recovered_sequences=counts["recovered_sequences"],
+            cache=CacheStats.total(caches) if caches else None,
         )
 
     @property
     def closed(self) -> bool:
-        with self._cond:
-            return self._closing
+        """``close`` has been called (the engine accepts no more requests)."""
+        return self._handoff.closing
 
     @property
     def dead_reason(self) -> str | None:
         """Why the worker thread died (None while it lives): the engine serves no more."""
-        with self._cond:
-            return self._dead
-
-    def _retry_after_s(self) -> int:
-        """Seconds until the queue has likely moved on by one admission (for 429s).
-
-        Caller holds ``_cond``."""
-        service = self.counters.service_s or 1.0
-        waits = (len(self._queue) + 1) / max(1, self.config.max_running)
-        return max(1, min(600, math.ceil(service * waits)))
+        return self._handoff.dead_reason
 
     def close(self, drain: bool = True, timeout_s: float | None = None) -> bool:
         """Stop accepting requests, finish or cancel the rest, and release the tiers.
@@ -267,31 +235,20 @@ class Engine:
             timeout and a grace period (a wedged forward): the tiers are flushed anyway and
             the caller should exit the process.
         """
-        with self._cond:
-            if self._closed:
+        with self._close_lock:
+            if not self._handoff.close(cancel=not drain):
                 return not self._worker.is_alive()
-            self._closed = self._closing = True
-            if not drain:
-                self._cancel_all()
-            self._cond.notify_all()
-        self._worker.join(timeout_s)
-        if self._worker.is_alive():
-            with self._cond:
+            self._worker.join(timeout_s)
+            if self._worker.is_alive():
                 log.warning("drain timed out after %.0f s; cancelling what is left", timeout_s)
-                self._cancel_all()
-                self._cond.notify_all()
-            self._worker.join(_CANCEL_GRACE_S)
-        stopped = not self._worker.is_alive()
-        if stopped:
-            self._scheduler.close()
-        if self._owns_manager:
-            self.manager.close(flush_host_to_disk=self.manager.disk is not None)
-        return stopped
-
-    def _cancel_all(self) -> None:
-        """Cancel every queued, running and preempted request (caller holds ``_cond``)."""
-        for handle in (*self._queue, *self._running, *self._resuming):
-            handle.cancel()
+                self._handoff.cancel_all()
+                self._worker.join(_CANCEL_GRACE_S)
+            stopped = not self._worker.is_alive()
+            if stopped:
+                self._scheduler.close()
+            if self._owns_manager:
+                self.manager.close(flush_host_to_disk=self.manager.disk is not None)
+            return stopped
 
     def __enter__(self) -> Engine:
         return self
@@ -315,73 +272,20 @@ class Engine:
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"
             log.critical("the engine's worker died: %s", reason, exc_info=exc)
-            with self._cond:
-                self._dead = reason
-                waiting = [*self._queue, *self._running, *self._resuming]
-                self._queue.clear()
-            for handle in waiting:
+            for handle in self._handoff.kill(reason):
                 handle.fail(EngineClosedError(f"the engine's worker died ({reason})"))
 
     def _serve(self) -> None:
-        scheduler = self._scheduler
+        """Move submitted handles into the scheduler and step it, until closed and idle."""
+        scheduler, handoff = self._scheduler, self._handoff
         with torch.no_grad():  # grad mode is per thread
-            while True:
-                with self._cond:
-                    while not self._queue and not scheduler.busy and not self._closing:
-                        self._cond.wait()
-                    if not self._queue and not scheduler.busy:
-                        return
+            while handoff.wait(scheduler.busy):
+                scheduler.add(handoff.take())
                 try:
                     scheduler.step()
                 except Exception as exc:  # a scheduler fault: its sequences fail, not the engine
                     log.exception("a scheduler step failed; its sequences fail")
                     scheduler.fail_all(exc)
-
-    def _emit(
-        self,
-        handle: RequestHandle,
-        text: TextStream,
-        step: int,
-        token: int,
-        last_s: float,
-        logprobs: TokenLogprobs | None = None,
-    ) -> tuple[FinishReason | None, float]:
-        """Stream the ``step``-th generated token; returns why it ended (None: it goes on)
-        and the time it was emitted."""
-        params = handle.request.params
-        delta = text.push(token)
-        reason: FinishReason | None = None
-        if text.stopped or (token in self.eos_ids and not params.ignore_eos):
-            reason = "stop"
-        elif step + 1 == params.max_tokens:
-            reason = "length"
-        elif handle.cancelled:
-            reason = "cancelled"
-        if reason is not None and not text.stopped:
-            delta += text.flush()
-        now = time.perf_counter()
-        counters = self.counters
-        (counters.ttft if step == 0 else counters.inter_token).observe(now - last_s)
-        counters.add("generated_tokens")
-        if reason is not None:  # counted before the caller can see the end
-            counters.add("cancelled" if reason == "cancelled" else "finished")
-            counters.observe_service(now - handle.request.arrival_s)
-        handle.put(
-            TokenEvent(handle.request_id, token, delta, reason is not None, reason, logprobs)
-        )
-        return reason, now
-
-    def _prefix_tiers(self, prompt_ids: Sequence[int], salt: str = "") -> list[str]:
-        """For each cached leading chunk of the prompt, the tier that holds it now."""
-        size = self.manager.layout.chunk_tokens
-        limit = ((len(prompt_ids) - 1) // size) * size  # reuse_prefix leaves the last token
-        names: list[str] = []
-        for ref in self.manager.refs_for(list(prompt_ids[:limit]), salt):
-            tier = self.manager.locate(ref)
-            if tier is None:
-                break
-            names.append(tier.name)
-        return names
 
     def _device_slots(self, cache: SequenceKV | None) -> int:
         """Chunks one sequence's arena keeps resident (all reserved alike); a model of
@@ -391,12 +295,6 @@ class Engine:
         slots = cache.arena.resident_slots
         return (
             slots if slots is not None else self.max_model_len // self.spec.layout.chunk_tokens + 1
-        )
-
-    def _new_cache(self) -> SequenceKV:
-        device = torch.device(self.config.cache.device or self.device)
-        return SequenceKV(
-            self.manager, self.spec.windows, self.config.cache, device, self.spec.model_type
         )
 
 
