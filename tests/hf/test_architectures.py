@@ -57,6 +57,11 @@ EXACT: dict[str, dict[str, Any]] = {
     },
     "starcoder2 (sliding window 40)": {"sliding_window": 40},
     "phi3 (sliding window 32)": {"sliding_window": 32},
+    "gemma2 (hybrid, no soft-capping)": {
+        "sliding_window": 32,
+        "attn_logit_softcapping": None,
+        "num_hidden_layers": 4,
+    },
 }
 HYBRID = "gemma3_text (hybrid)"
 
@@ -136,7 +141,17 @@ def make_manager(model: Any, disk: Any) -> KVManager:
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-@pytest.mark.parametrize("name", ["qwen3", "gpt_neox", "qwen2 (sliding layers)", HYBRID])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3",
+        "gpt_neox",
+        "qwen2 (sliding layers)",
+        "mistral (sliding window 32)",
+        "gemma2 (hybrid, no soft-capping)",
+        HYBRID,
+    ],
+)
 def test_next_turn_reuse_gives_the_same_tokens(name: str, tier: str, tmp_path: Any) -> None:
     model = random_model(arch_of(name), seed=2, **EXACT[name])
     ids = prompt()

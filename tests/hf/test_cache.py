@@ -57,6 +57,9 @@ def test_greedy_tokens_equal_dynamic_cache(arch: str, budget_chunks: int) -> Non
     assert cache.peak_device_nbytes <= cache.config.device_budget_bytes
     assert cache.staging_nbytes <= cache.config.staging_bytes
     assert cache.stats().sealed_chunks == (83 + 24 - 1) // CHUNK
+    if budget_chunks == 64:  # everything fits: a sealed chunk goes to host once, never back
+        assert cache.stats().link.bytes == 0
+        assert cache.kv.arena.open is not None and cache.kv.arena.open.device == cache.kv.device
     if budget_chunks == 1:  # only the tail fits: every sealed chunk streams every step
         assert cache.stats().link.bytes > 0
         assert sum(p.capacity_bytes for p in pools) == 0
