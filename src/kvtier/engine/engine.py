@@ -3,8 +3,8 @@
 ``Engine`` owns the worker thread, the ``Handoff`` (thread-safe: ``submit`` from any thread
 puts a handle there; the worker moves handles into the scheduler's waiting line) and the
 ``EngineMetrics`` it shares with the scheduler. The worker runs
-``kvtier.engine.scheduler.Scheduler``: continuous batching, a ``step()`` over every running
-sequence — schedule → run (one forward packing prefill pieces and every decoding
+``kvtier.engine.scheduler.BatchScheduler``: continuous batching, a ``step()`` over every
+running sequence — schedule → run (one forward packing prefill pieces and every decoding
 sequence's next token) → postprocess. ``max_batch_size = 1`` serves one request at a time
 in admission order.
 
@@ -37,7 +37,7 @@ from kvtier.engine.request import (
 )
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import eos_ids
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import BatchScheduler
 from kvtier.engine.stats import EngineStats
 from kvtier.hf import attach, model_spec
 from kvtier.manager import KVManager
@@ -57,9 +57,15 @@ class Engine:
     adopts that KV instead of recomputing it. Requests are batched continuously (see
     ``kvtier.engine.scheduler``).
 
-    Thread-safety: ``submit``, ``stats`` and ``close`` may be called from any thread. The
-    model, the tokenizer's decode and the caches are used only by the worker thread (and
-    by ``encode``/``encode_chat``, which only tokenize).
+    Thread-safety: ``submit``, ``stats`` and ``close`` may be called from any thread:
+    ``submit`` puts the handle on the ``Handoff`` (one lock), ``stats`` reads the hand-off's
+    occupancy and the shared ``metrics``. The scheduler, the model, the tokenizer's decode
+    and the caches are used only by the worker thread (and ``encode``/``encode_chat``,
+    which only tokenize, by any).
+
+    Attributes:
+        metrics: the counters and histograms the engine and its scheduler write.
+        limits: what one sequence may use (checked in ``submit``).
 
     Args:
         model: a transformers causal LM (eval mode); its attention is switched to kvtier's.
@@ -107,7 +113,7 @@ class Engine:
             torch.device(self.config.cache.device or self.device),
             self.spec.model_type,
         )
-        self._scheduler = Scheduler(  # reserves the caches (the device budget)
+        self._scheduler = BatchScheduler(  # reserves the caches (the device budget)
             ModelRunner(model, self.device),
             tokenizer,
             self.manager,

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 _MAX_RECOVERIES = 3
 
 
-class Scheduler:
+class BatchScheduler:
     """Runs the engine's requests with continuous batching; worker thread only.
 
     Reserves ``config.max_running`` caches from ``new_cache`` and warms the model up when
