@@ -105,3 +105,12 @@ def test_runtime_is_framework_free() -> None:
     ]
     assert modules_under("kvtier.runtime")
     assert not wrong, "kvtier.runtime must not depend on adapters: " + "; ".join(wrong)
+
+
+def test_no_module_over_400_lines() -> None:
+    long = {
+        name: n
+        for name, path in module_names().items()
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, f"split these by responsibility (lines): {long}"

@@ -13,7 +13,7 @@ import logging
 from kvtier.engine.metrics import EngineMetrics
 from kvtier.engine.sequence import Sequence
 from kvtier.manager import KVManager, LookupResult
-from kvtier.runtime import SequenceKV
+from kvtier.runtime import SequenceKV, prefix_limit
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class PrefixMatcher:
         if manager.disk is None:
             return  # nothing to move up: admission makes the one lookup
         try:
-            match = self._lookup(seq, self._limit(len(seq.ids)), step)
+            match = self._lookup(seq, prefix_limit(len(seq.ids), self.chunk_tokens), step)
             host = manager.host.name
             todo = [r for r, tier in zip(match.refs, match.tiers, strict=True) if tier != host]
             if todo and manager.prefetch_to_host(todo) is not None:
@@ -67,8 +67,3 @@ class PrefixMatcher:
         seq.prefix = self.manager.lookup(seq.ids[:limit], seq.handle.request.cache_salt)
         seq.prefix_step = step
         return seq.prefix
-
-    def _limit(self, num_tokens: int) -> int:
-        """``SequenceKV.prefix_limit`` before the sequence has a cache: whole chunks,
-        leaving at least the last token to compute."""
-        return ((num_tokens - 1) // self.chunk_tokens) * self.chunk_tokens

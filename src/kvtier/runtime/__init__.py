@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvtier.runtime.dispatch import attend, attend_packed
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ChunkRange, Decision, ForwardPlan
-from kvtier.runtime.sequence import SequenceKV
+from kvtier.runtime.sequence import SequenceKV, prefix_limit
 from kvtier.runtime.stats import CacheStats
 from kvtier.runtime.view import LayerKV, PackedKV
 
@@ -28,4 +28,5 @@ __all__ = [
     "attend",
     "attend_packed",
     "layer_groups",
+    "prefix_limit",
 ]

@@ -38,6 +38,12 @@ from kvtier.tiers.pool import PoolTier
 from kvtier.transfer import LinkStats
 
 
+def prefix_limit(num_tokens: int, chunk_tokens: int) -> int:
+    """The most tokens of a ``num_tokens`` prompt a prefix hit can cover: whole chunks,
+    leaving at least the last token to compute (the model needs it for the logits)."""
+    return ((num_tokens - 1) // chunk_tokens) * chunk_tokens
+
+
 class SequenceKV:
     """The KV of ``rows`` sequences that advance together (the engine uses one row).
 
@@ -249,10 +255,8 @@ class SequenceKV:
     # ---- sequences ----------------------------------------------------------------------
 
     def prefix_limit(self, num_tokens: int) -> int:
-        """The most tokens of a ``num_tokens`` prompt a prefix hit can cover: whole chunks,
-        leaving at least the last token to compute."""
-        size = self.layout.chunk_tokens
-        return ((num_tokens - 1) // size) * size
+        """``prefix_limit`` for this sequence's chunk size."""
+        return prefix_limit(num_tokens, self.layout.chunk_tokens)
 
     def reuse_prefix(
         self, input_ids: torch.Tensor, salt: str = "", match: LookupResult | None = None
