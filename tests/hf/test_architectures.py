@@ -55,7 +55,7 @@ EXACT: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 4,
         "sliding_window_pattern": 2,
     },
-    "starcoder2 (sliding window 40)": {"sliding_window": 40},
+    "starcoder2 (sliding window 36)": {"sliding_window": 36},
     "phi3 (sliding window 32)": {"sliding_window": 32},
     "gemma2 (hybrid, no soft-capping)": {
         "sliding_window": 32,
@@ -92,6 +92,11 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "kvtier cannot run llama4_text exactly: layers 0, 1 attend with chunked_attention",
     ),
 }
+
+
+def test_prompts_are_at_least_four_windows() -> None:
+    windows = [w for o in EXACT.values() if (w := o.get("sliding_window", 4096)) < 4096]
+    assert windows and PROMPT_TOKENS >= 4 * max(windows)
 
 
 def arch_of(name: str) -> str:
