@@ -108,14 +108,16 @@ FAULT_TOKEN = 4242  # a prompt holding this id makes ``inject_fault``'s model ra
 
 
 def inject_fault(monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
-    """Fault injection: ``model``'s forward raises ``RuntimeError("injected fault")`` for
-    any input that holds ``FAULT_TOKEN`` (for the rest of the test)."""
-    forward = model.forward
+    """Fault injection: ``model``'s input embedding raises ``RuntimeError("injected
+    fault")`` for any input that holds ``FAULT_TOKEN`` (for the rest of the test). Every
+    runner's forward embeds its ids first (transformers' and kvtier's own)."""
+    embeddings = model.get_input_embeddings()
+    forward = embeddings.forward
 
     def faulty(*args: Any, **kwargs: Any) -> Any:
-        ids = args[0] if args else kwargs.get("input_ids")
+        ids = args[0] if args else kwargs.get("input")
         if isinstance(ids, torch.Tensor) and bool((ids == FAULT_TOKEN).any()):
             raise RuntimeError("injected fault")
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", faulty)
+    monkeypatch.setattr(embeddings, "forward", faulty)

@@ -37,6 +37,9 @@ class EngineConfig:
             prefilling sequence). None: one chunk, so decoding sequences wait at most one
             chunk's prefill per token; more trades their inter-token latency for
             throughput (fewer steps, larger forwards).
+        runner: the model's forward: ``auto`` runs kvtier's own for the Llama family
+            (Llama, Mistral, Qwen2, Qwen3) and transformers' modelling for the rest;
+            ``kvtier`` requires kvtier's; ``transformers`` always uses transformers'.
     """
 
     max_queued: int = 64
@@ -51,6 +54,7 @@ class EngineConfig:
     device_budget_bytes: int | None = None
     preempt_after_s: float | None = None
     prefill_tokens_per_step: int | None = None
+    runner: str = "auto"
 
     @property
     def total_device_budget_bytes(self) -> int:
@@ -80,3 +84,7 @@ class EngineConfig:
         check_number("preempt_after_s", self.preempt_after_s, 0, none="never")
         check_int("max_queued", self.max_queued, 1)
         check_int("max_model_len", self.max_model_len, 2, none="the model's")
+        if self.runner not in ("auto", "kvtier", "transformers"):
+            raise ValueError(
+                f"runner: unknown {self.runner!r}; accepted: ['auto', 'kvtier', 'transformers']"
+            )

@@ -35,7 +35,7 @@ from kvtier.engine.request import (
     SamplingParams,
     as_prompt_ids,
 )
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.runner import make_runner
 from kvtier.engine.sampling import eos_ids
 from kvtier.engine.scheduler import BatchScheduler
 from kvtier.engine.stats import EngineStats
@@ -113,8 +113,10 @@ class Engine:
             torch.device(self.config.cache.device or self.device),
             self.spec.model_type,
         )
+        self.runner = make_runner(model, self.device, self.config.runner)
+        log.info("model runner: %s", self.runner.name)
         self._scheduler = BatchScheduler(  # reserves the caches (the device budget)
-            ModelRunner(model, self.device),
+            self.runner,
             tokenizer,
             self.manager,
             self.config,

@@ -1,8 +1,12 @@
 """The run part of a step: one forward of the model over every scheduled piece, packed in
-one row (``kvtier.hf.PackedCache``: different lengths, no padding).
+one row (different lengths, no padding).
 
-``ModelRunner.run`` mutates the pieces' caches (the forward appends their tokens and seals
-chunks into the tiers) and nothing else. Worker thread only.
+Two runners with one interface (``run``, ``warm_up``, ``name``): ``LlamaRunner`` runs
+kvtier's own forward for the Llama family (``kvtier.engine.llama``) and drives each
+sequence's KV directly; ``ModelRunner`` runs any other architecture through transformers'
+modelling and ``kvtier.hf.PackedCache``. ``make_runner`` picks one by architecture. ``run``
+mutates the pieces' caches (the forward appends their tokens and seals chunks into the
+tiers) and nothing else. Worker thread only.
 """
 
 from __future__ import annotations
@@ -12,9 +16,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvtier.engine.llama import LlamaModel
 from kvtier.engine.sequence import Piece, Sequence
 from kvtier.hf import PackedCache
 from kvtier.runtime import SequenceKV
+
+RUNNERS = ("auto", "kvtier", "transformers")
+"""``EngineConfig.runner``: ``auto`` takes kvtier's own forward where the architecture has
+it, ``kvtier`` requires it, ``transformers`` always uses transformers' modelling."""
 
 
 class Sampled(NamedTuple):
@@ -31,12 +40,14 @@ class Sampled(NamedTuple):
 
 
 class ModelRunner:
-    """Runs the model for the scheduler.
+    """Runs the model through transformers' modelling for the scheduler.
 
     Args:
         model: a transformers causal LM whose attention is kvtier's (``kvtier.hf.attach``).
         device: where its inputs go.
     """
+
+    name = "transformers"
 
     def __init__(self, model: Any, device: torch.device) -> None:
         self.model = model
@@ -81,3 +92,89 @@ class ModelRunner:
         ids = torch.zeros(1, num_tokens, dtype=torch.long, device=self.device)
         with torch.no_grad():
             self.model(ids, use_cache=False, logits_to_keep=1)
+
+
+class LlamaRunner:
+    """Runs kvtier's own Llama-family forward for the scheduler (same interface as
+    ``ModelRunner``).
+
+    Args:
+        model: a transformers Llama-family causal LM (``LlamaModel.supports``).
+        device: where its inputs go.
+    """
+
+    name = "kvtier (llama family)"
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.llama = LlamaModel(model)
+        self.device = device
+
+    def run(self, work: Seq[Piece]) -> Sampled:
+        """One forward over every piece's ids; every piece's sequence holds a cache.
+
+        Each sequence's pass begins before the forward and ends after it; a forward that
+        raises drops every pass begun (nothing sealed), and the error propagates."""
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[Sequence] = []
+        caches: list[SequenceKV] = []
+        spans: list[tuple[int, int]] = []
+        for seq, start, stop in work:
+            cache = seq.cache
+            assert cache is not None
+            spans.append((len(ids), stop - start))
+            caches.append(cache)
+            ids.extend(seq.ids[start:stop])
+            positions.extend(range(cache.seq_len, cache.seq_len + stop - start))
+            if seq.decoding or not seq.pieces:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        device = self.device
+        packed = torch.tensor(ids, dtype=torch.long)
+        try:
+            for cache, (begin, count) in zip(caches, spans, strict=True):
+                cache.begin_forward(count, 1, packed[begin : begin + count][None], None)
+            logits = self.llama.forward(
+                packed.to(device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                caches,
+                spans,
+                torch.tensor(logit_rows or [len(ids) - 1], device=device),
+            )
+        except BaseException:
+            for cache in caches:
+                cache.drop_forward()
+            raise
+        for cache in caches:
+            cache.end_forward()
+        return Sampled(sampled, logits)
+
+    def warm_up(self, num_tokens: int) -> None:
+        """One throw-away forward of ``num_tokens`` with no KV (see ``ModelRunner.warm_up``)."""
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        last = torch.tensor([num_tokens - 1], device=self.device)
+        self.llama.forward(ids, positions, None, [(0, num_tokens)], last)
+
+
+def make_runner(
+    model: Any, device: torch.device, choice: str = "auto"
+) -> ModelRunner | LlamaRunner:
+    """The runner for ``model``: kvtier's own forward where the architecture has it (unless
+    ``choice`` is ``transformers``), else transformers' modelling.
+
+    Raises:
+        ValueError: ``choice`` is ``kvtier`` and the model does not have the shape (why),
+            or ``choice`` is not one of ``RUNNERS``.
+    """
+    if choice not in RUNNERS:
+        raise ValueError(f"runner: unknown {choice!r}; accepted: {list(RUNNERS)}")
+    if choice == "transformers":
+        return ModelRunner(model, device)
+    reason = LlamaModel.why_not(model)
+    if reason is None:
+        return LlamaRunner(model, device)
+    if choice == "kvtier":
+        raise ValueError(f"runner: kvtier's own forward cannot run this model: {reason}")
+    return ModelRunner(model, device)

@@ -42,7 +42,7 @@ from kvtier.engine.policy import choose_victim, next_in_line
 from kvtier.engine.postprocess import postprocess
 from kvtier.engine.prefix import PrefixMatcher
 from kvtier.engine.request import RequestHandle, TokenEvent
-from kvtier.engine.runner import ModelRunner, Sampled
+from kvtier.engine.runner import LlamaRunner, ModelRunner, Sampled
 from kvtier.engine.sequence import Piece, Sequence, start_sequence
 from kvtier.manager import KVManager
 from kvtier.runtime import SequenceKV
@@ -74,7 +74,7 @@ class BatchScheduler:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: ModelRunner | LlamaRunner,
         tokenizer: Any,
         manager: KVManager,
         config: EngineConfig,

@@ -1,0 +1,225 @@
+"""kvtier's own forward for the Llama family, on the scheduler's packed batches.
+
+Llama, Mistral, Qwen2 and Qwen3 share one shape: per layer an RMSNorm, q/k/v projections
+(Qwen2: with bias; Qwen3: an RMSNorm per head on q and k), RoPE, attention, an output
+projection, then an RMSNorm and a SiLU-gated MLP, each added to the residual stream. This
+module runs that shape directly on a step's tokens packed in one row ``[N]``, from the
+weights of the loaded transformers model (shared, not copied, except the fused ones):
+
+- q, k and v are one matmul (their weights concatenated once at start), gate and up one;
+- RoPE's cos/sin come from the model's own rotary module, once per step for every layer;
+- the K/V of each sequence's span go to its ``kvtier.runtime.SequenceKV``, and attention
+  over every span is one ``kvtier.runtime.attend_packed`` call per layer.
+
+The arithmetic is transformers' (the same ops in the same order, fp32 norms), so greedy
+tokens equal its modelling code's. ``LlamaModel.supports(model)`` says whether a model has
+this shape; anything else runs through transformers (``kvtier.engine.runner``).
+
+Thread-safety: one forward at a time (the engine's worker thread); mutates only the
+sequences' KV through the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.runtime import PackedKV, SequenceKV, attend_packed
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+"""Model types whose transformers modelling has exactly the shape this module runs."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's weights, ``[out, in]`` as ``F.linear`` takes them."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # [H, Hq * D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None
+
+
+def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Concatenate biases along the output dim; None when every part has none."""
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("a fused projection mixes parts with and without bias")
+    return torch.cat([p for p in parts if p is not None])
+
+
+class LlamaModel:
+    """The forward of a transformers Llama-family causal LM over packed spans.
+
+    Args:
+        model: a loaded ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3) in eval mode.
+
+    Raises:
+        ValueError: the model does not have the shape (``supports`` says why not).
+    """
+
+    def __init__(self, model: Any) -> None:
+        reason = self.why_not(model)
+        if reason is not None:
+            raise ValueError(f"{model.config.model_type}: {reason}")
+        config = model.config
+        base = model.model
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads or self.num_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        )
+        self.eps = float(config.rms_norm_eps)
+        self.embed = base.embed_tokens  # the module: [V, H] lookup
+        self.final_norm = base.norm.weight
+        self.lm_head = model.lm_head.weight  # [V, H] (tied: the embedding itself)
+        self.rotary = base.rotary_emb
+        self.scale = float(base.layers[0].self_attn.scaling)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
+        self.layers = [self._fuse(layer) for layer in base.layers]
+
+    @staticmethod
+    def why_not(model: Any) -> str | None:
+        """Why this module cannot run ``model`` exactly; None when it can."""
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED:
+            return f"model type {model_type!r} is not one of {list(SUPPORTED)}"
+        base = getattr(model, "model", None)
+        layers = getattr(base, "layers", None)
+        if base is None or layers is None or not hasattr(model, "lm_head"):
+            return "no model.layers / lm_head"
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            return "pretraining_tp > 1"
+        act = str(getattr(config, "hidden_act", "silu"))
+        if act != "silu":
+            return f"activation {act!r} (only SiLU-gated MLPs)"
+        for layer in layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            names = ("q_proj", "k_proj", "v_proj", "o_proj")
+            if attn is None or any(not hasattr(attn, n) for n in names):
+                return "an attention module without q/k/v/o projections"
+            if mlp is None or any(not hasattr(mlp, n) for n in ("gate_proj", "up_proj")):
+                return "an MLP without gate/up/down projections"
+        return None
+
+    @classmethod
+    def supports(cls, model: Any) -> bool:
+        return cls.why_not(model) is None
+
+    def _fuse(self, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return _Layer(
+            input_norm=layer.input_layernorm.weight,
+            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            qkv_bias=_cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+            q_norm=q_norm.weight if q_norm is not None else None,
+            k_norm=k_norm.weight if k_norm is not None else None,
+            o=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            gate_up_bias=_cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
+            down=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+        )
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm: in float32, then the weight times the input dtype."""
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [1, H, N, D]`` rotated; ``cos``/``sin [1, 1, N, D]`` (transformers' order)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos) + (rotated * sin)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kvs: Sequence[SequenceKV] | None,
+        spans: Sequence[tuple[int, int]],
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits ``[len(logit_rows), V]`` of one step.
+
+        Args:
+            ids: ``[N]`` the packed tokens.
+            positions: ``[N]`` each token's position in its sequence.
+            kvs: each span's sequence KV, in packed order (its pass already begun), or
+                None for a throw-away forward where each span attends to itself only.
+            spans: each sequence's ``(start, length)`` in the packed row.
+            logit_rows: ``[R]`` packed indices whose logits are wanted.
+        """
+        n = ids.shape[0]
+        hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.embed(ids)  # [N, H]
+        cos, sin = self.rotary(h[None], positions[None])  # [1, N, D]
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, D]
+        for index, layer in enumerate(self.layers):
+            x = self._norm(h, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [N, (Hq + 2 Hkv) D]
+            q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+            q, k, v = q.view(1, n, hq, dim), k.view(1, n, hkv, dim), v.view(1, n, hkv, dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+            q = self._rope(q.transpose(1, 2), cos, sin)  # [1, Hq, N, D]
+            k = self._rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, N, D]
+            v = v.transpose(1, 2)
+            out = self._attend(index, q, k, v, kvs, spans)  # [1, N, Hq, D]
+            h = h + F.linear(out.reshape(n, hq * dim), layer.o, layer.o_bias)
+            x = self._norm(h, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(self.act(gate) * up, layer.down, layer.down_bias)
+        h = self._norm(h[logit_rows], self.final_norm)
+        return F.linear(h, self.lm_head)
+
+    def _attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kvs: Sequence[SequenceKV] | None,
+        spans: Sequence[tuple[int, int]],
+    ) -> torch.Tensor:
+        """Every span's attention, ``[1, N, Hq, D]``."""
+        if kvs is None:  # throw-away forward: causal within each span
+            out = torch.empty(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
+            for start, length in spans:
+                part = F.scaled_dot_product_attention(
+                    q[:, :, start : start + length],
+                    k[:, :, start : start + length],
+                    v[:, :, start : start + length],
+                    is_causal=True,
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
+                out[:, start : start + length] = part.transpose(1, 2)
+            return out
+        views = [
+            kv.write(layer_idx, k[:, :, s : s + m], v[:, :, s : s + m])
+            for (s, m), kv in zip(spans, kvs, strict=True)
+        ]
+        return attend_packed(PackedKV(layer_idx, views, list(spans)), q, self.scale)

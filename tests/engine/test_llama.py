@@ -1,0 +1,99 @@
+"""kvtier's own Llama-family forward: greedy tokens equal transformers' on every model of
+the family (mixed lengths batched, preemption, prefix reuse), and the engine picks the
+runner by architecture."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.engine.llama import LlamaModel
+from kvtier.engine.runner import LlamaRunner, ModelRunner, make_runner
+from kvtier.models import random_model
+from tests.engine.tiny import CHUNK, engine_config, reference_tokens
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LENGTHS = (5, 23, 40, 70, 33)
+
+FAMILY: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},  # q/k/v with bias
+    "qwen3": {},  # RMSNorm on q and k per head
+    "mistral (sliding window 24)": {"sliding_window": 24},
+    "qwen2 (sliding layers)": {
+        "use_sliding_window": True,
+        "sliding_window": 24,
+        "max_window_layers": 1,
+    },
+    "llama (bias, rope scaling)": {
+        "attention_bias": True,
+        "mlp_bias": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+}
+
+
+def family_model(name: str, tokenizer: Any) -> Any:
+    return random_model(name.split()[0], seed=3, vocab_size=len(tokenizer), **FAMILY[name])
+
+
+def prompts() -> list[list[int]]:
+    return [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate(LENGTHS)]
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_batched_greedy_tokens_equal_transformers(name: str, tokenizer: Any) -> None:
+    model = family_model(name, tokenizer)
+    expected = [reference_tokens(model, p, 12) for p in prompts()]
+    config = dataclasses.replace(engine_config(), runner="kvtier")
+    with Engine(model, tokenizer, config) as engine:
+        assert isinstance(engine.runner, LlamaRunner)
+        outs = [h.result() for h in [engine.submit(p, GREEDY) for p in prompts()]]
+        # The next turn reuses the first turn's chunks (prefix hit) and stays exact.
+        turn = prompts()[3] + outs[3].token_ids + [77, 78]
+        again = engine.submit(turn, GREEDY).result()
+    assert [o.token_ids for o in outs] == expected
+    assert again.reused_tokens == ((len(turn) - 1) // CHUNK) * CHUNK
+    assert again.token_ids == reference_tokens(model, turn, 12)
+
+
+def test_preemption_keeps_the_tokens(tokenizer: Any) -> None:
+    model = family_model("qwen3", tokenizer)
+    base = engine_config()
+    config = dataclasses.replace(
+        base,
+        runner="kvtier",
+        device_budget_bytes=2 * base.cache.device_budget_bytes,  # two sequences at a time
+        preempt_after_s=0.0,
+    )
+    with Engine(model, tokenizer, config) as engine:
+        outs = [h.result() for h in [engine.submit(p, GREEDY) for p in prompts()]]
+        preemptions = engine.stats().preemptions
+    assert preemptions > 0
+    assert [o.token_ids for o in outs] == [reference_tokens(model, p, 12) for p in prompts()]
+
+
+def test_the_engine_picks_the_runner_by_architecture(tokenizer: Any) -> None:
+    llama = family_model("llama", tokenizer)
+    device = next(llama.parameters()).device
+    assert isinstance(make_runner(llama, device), LlamaRunner)
+    assert isinstance(make_runner(llama, device, "transformers"), ModelRunner)
+    phi3 = random_model("phi3", seed=1, vocab_size=len(tokenizer))
+    assert isinstance(make_runner(phi3, device), ModelRunner)  # not the family: transformers
+    reason = LlamaModel.why_not(phi3)
+    assert reason is not None and "phi3" in reason
+    with pytest.raises(ValueError, match="cannot run this model: model type 'phi3'"):
+        make_runner(phi3, device, "kvtier")
+    with pytest.raises(ValueError, match="runner: unknown"):
+        make_runner(llama, device, "fast")
+    with pytest.raises(ValueError, match="runner: unknown 'fast'"):
+        EngineConfig(runner="fast")
