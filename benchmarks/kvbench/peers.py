@@ -42,6 +42,7 @@ import argparse
 import json
 import shutil
 import struct
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -433,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_tokens": args.decode_tokens,
             "kvtier_serve_flags": kvtier_flags(args.kv_gib),
             "decode_ms": "streaming completion: (stream end - first token) / (tokens - 1)",
+            "kvtier_commit": kvtier_commit(),
             "venv": str(venv),
             "vllm_folder": str(folder),
         },
@@ -444,6 +446,22 @@ def main(argv: list[str] | None = None) -> int:
     parts = [f"{k} {'-' if v is None else f'{v:.2f}'} ({GOALS[k]})" for k, v in s.items()]
     print(f"summary [{args.threads[0]} threads]: " + "; ".join(parts))
     return 0
+
+
+def kvtier_commit() -> str:
+    """The checkout's HEAD, with ``+dirty`` when ``src/`` has changes (the code that ran)."""
+    root = Path(__file__).resolve().parents[2]
+    git = ["git", "-C", str(root)]
+    try:
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "src"], capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def meets(value: float | None, goal: str) -> bool | None:
