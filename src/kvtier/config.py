@@ -190,6 +190,11 @@ class TieredCacheConfig:
         prefetch: stream ahead of need; False fetches each piece only when a layer needs it
             (the synchronous baseline).
         sink_chunks: leading chunks of each sequence pinned on the device (attention sinks).
+        page_tokens: the granularity of reuse inside a chunk: a sequence's last partial
+            chunk is stored with its first whole pages (``SequenceKV.seal_partial``), so a
+            prefix hit recomputes fewer than ``page_tokens`` tokens past the last whole chunk
+            (the lower tiers still move whole chunks). ``chunk_tokens`` or more: whole chunks
+            only.
         query_block_tokens: queries attended per block in a long prefill, bounding the
             score matrix to ``heads × block × keys`` (off the CPU; the CPU's fused flash
             kernel tiles the queries itself and takes them in one block).
@@ -203,6 +208,7 @@ class TieredCacheConfig:
     prefetch: bool = True
     sink_chunks: int = 1
     query_block_tokens: int = 512
+    page_tokens: int = 16
     link: LinkConfig = field(default_factory=LinkConfig)
     device: str | None = None
 
@@ -212,3 +218,4 @@ class TieredCacheConfig:
         check_int("lookahead", self.lookahead)
         check_int("sink_chunks", self.sink_chunks)
         check_int("query_block_tokens", self.query_block_tokens, 1)
+        check_int("page_tokens", self.page_tokens, 1)

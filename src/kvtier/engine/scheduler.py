@@ -183,6 +183,7 @@ class BatchScheduler:
             return False
         self.running.remove(victim)
         assert victim.cache is not None
+        self._seal_pages(victim)  # its resume then recomputes less than a page
         self.caches.give_back(victim.cache)
         victim.wait_again()
         victim.waiting_since_s = time.perf_counter()
@@ -277,6 +278,8 @@ class BatchScheduler:
 
     def _postprocess(self, out: Sampled) -> None:
         for seq, logits in zip(out.seqs, out.logits, strict=False):
+            if not seq.decoding:  # the prompt is in: the same prompt again reuses its pages
+                self._seal_pages(seq, prompt_end=True)
             seq.decoding = True
             try:
                 if postprocess(seq, logits, self.eos_ids, self.metrics) is not None:
@@ -290,9 +293,24 @@ class BatchScheduler:
         if seq in self.running:
             self.running.remove(seq)
         if seq.cache is not None:
+            self._seal_pages(seq)  # the next turn reuses the tail's whole pages
             self.caches.give_back(seq.cache)
             seq.cache = None
         self._publish()
+
+    def _seal_pages(self, seq: Sequence, prompt_end: bool = False) -> None:
+        """Store the whole pages of ``seq``'s tail as a partial chunk (``prompt_end``: only
+        those a prompt of this length can reuse). Only an optimisation: a failure is
+        logged, never the request's."""
+        cache = seq.cache
+        if cache is None:
+            return
+        page = cache.config.page_tokens
+        upto = ((len(seq.ids) - 1) // page) * page if prompt_end else None
+        try:
+            cache.seal_partial(upto)
+        except Exception:
+            log.exception("storing the last pages of request %s failed", seq.handle.request_id)
 
     def _finish_cancelled(self, seq: Sequence) -> None:
         self.metrics.add("cancelled")

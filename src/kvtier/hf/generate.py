@@ -97,10 +97,15 @@ def generate(
     **generate_kwargs: Any,
 ) -> GenerateResult:
     """Reuse, prefill in pieces, then ``model.generate``; one prompt row (batch 1) or more
-    rows without padding. ``generate_kwargs`` go to ``model.generate``."""
+    rows without padding. ``generate_kwargs`` go to ``model.generate``. With one row, the
+    tail's whole pages are stored as a partial chunk at the end (``SequenceKV.seal_partial``),
+    so a next turn recomputes less than a page past the reused chunks."""
     start = time.perf_counter()
     reused = prefill(model, cache, input_ids, progress=progress)
-    return _timed_generate(model, cache, input_ids, start, reused, generate_kwargs)
+    result = _timed_generate(model, cache, input_ids, start, reused, generate_kwargs)
+    if cache.kv.state.rows == 1:
+        cache.kv.seal_partial()  # the next turn reuses the tail's whole pages too
+    return result
 
 
 def generate_resident(

@@ -87,6 +87,16 @@ class KeyHasher:
         ids = np.asarray(token_ids, dtype=np.int64)
         return self._hash(self.root_for(salt) if parent is None else parent, ids.tobytes())
 
+    def partial_key(
+        self, parent: ChunkKey | None, token_ids: Sequence[int] | np.ndarray, salt: str = ""
+    ) -> ChunkKey:
+        """The key of a *partial* chunk: the first ``len(token_ids)`` (< chunk_tokens) tokens
+        after the chunk keyed ``parent``, stored in a whole chunk's buffer. Never equal to
+        a full chunk's key (a marker is hashed in)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        base = self.root_for(salt) if parent is None else parent
+        return self._hash(base, b"|partial|", ids.tobytes())
+
     def chain(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> list[ChunkKey]:
         """Keys of every *full* chunk of ``token_ids`` (a trailing partial chunk has none),
         chained from ``salt``'s root."""

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.config import TieredCacheConfig
-from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.kv.chunk import Chunk
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.spec import check_update
 from kvtier.manager import KVManager, LookupResult
+from kvtier.runtime import reuse
 from kvtier.runtime.arena import DeviceArena
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ForwardPlan, plan_forward, release
@@ -118,7 +119,7 @@ class SequenceKV:
             ValueError: the batch size changed, or the budget cannot hold the tails.
         """
         self.drop_forward()
-        self._start_batch(rows)
+        self.start_batch(rows)
         staging = self.staging
         assert staging is not None
         tail_before = self.state.tail_len
@@ -263,65 +264,30 @@ class SequenceKV:
     ) -> int:
         """Adopt the longest cached prefix of a prompt from any tier; returns its tokens.
 
-        Call on an empty state. At least one prompt token is left to compute (the model
-        needs it for the next-token logits). Only whole chunks are reused; all rows must
-        share the reused prefix (in practice: one row). ``salt`` is the tenant's: only
-        chunks keyed under it are adopted, and the chunks sealed until ``reset`` are keyed
-        under it too.
-
-        Storage faults cost recompute, never an error: disk chunks are promoted to host
-        first (blocking), and only the leading run that host then holds is adopted; the
-        rest of the prefix is recomputed, and the chunks lost are counted in the manager's
-        ``recomputed_chunks_by_cause`` (``"corrupt"`` or ``"missing"``).
-
-        ``match``: the caller's lookup of the one row's ``input_ids[:prefix_limit]`` under
-        ``salt`` (an engine looks a prompt up once, at admission); None looks it up here.
+        Call on an empty state. Whole chunks first, then (one row) a partial chunk's whole
+        pages; at least one prompt token is left to compute. See ``kvtier.runtime.reuse``.
+        ``salt`` is the tenant's: only chunks keyed under it are adopted, and the chunks
+        sealed until ``reset`` are keyed under it too. ``match``: the caller's lookup of
+        the one row's ``input_ids[:prefix_limit]`` under ``salt``; None looks it up here.
         """
         if self.state.seq_len:
             raise ValueError("reuse_prefix: the cache already holds tokens; call reset() first")
         ids = input_ids.detach().to("cpu", torch.int64)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
-        size = self.layout.chunk_tokens
-        limit = self.prefix_limit(ids.shape[1])
         self.state.salt = salt
-        if match is not None and (ids.shape[0] != 1 or match.hit_tokens > limit):
-            raise ValueError("match: a lookup of one row's prefix (at most prefix_limit tokens)")
-        hits = [match] if match is not None else [self.manager.lookup(r[:limit], salt) for r in ids]
-        hit_chunks = min(len(h.refs) for h in hits)
-        if hit_chunks == 0:
-            return 0
-        refs = [h.refs[:hit_chunks] for h in hits]
-        self.host.count_reads(sum(h.by_tier.get("host", 0) for h in hits), 0)
-        # Promote disk -> host, then adopt only the leading run that host now holds (pinned
-        # until it is on the device): from a chunk found corrupt or gone on, the prefix is
-        # recomputed. Corrupt chunks are counted where they are found (the promotion).
-        held: list[ChunkRef] = []
-        adopted = hit_chunks
-        try:
-            for row_refs in refs:
-                outcomes = self.manager.promote(row_refs[:adopted])
-                pinned = self.host.pin(row_refs[:adopted])
-                held += [r for r, ok in zip(row_refs, pinned, strict=False) if ok]
-                gone = [not ok and o != "corrupt" for o, ok in zip(outcomes, pinned, strict=True)]
-                if any(gone):
-                    self.manager.count_recompute("missing", sum(gone))
-                adopted = next((i for i, ok in enumerate(pinned) if not ok), adopted)
-            if adopted == 0:
-                return 0
-            self._start_batch(ids.shape[0])
-            hit = self.state.adopt([r[:adopted] for r in refs], ids, size)
-            self.reused_tokens = hit
-            placed: list[tuple[int, int, Chunk]] = []
-            for row, row_refs in enumerate(self.state.refs):
-                for index, ref in enumerate(row_refs):
-                    view = self.host.view(ref)  # pinned above: held until placed
-                    if view is not None:
-                        placed.append((row, index, Chunk(ref, view)))
-            self.arena.place(placed, self.state.refs)
-        finally:
-            self.host.unpin(held)
+        hit = reuse.adopt_chunks(self, ids, salt, match)
+        if ids.shape[0] == 1:
+            hit += reuse.adopt_pages(self, ids)
+        self.reused_tokens = hit
         return hit
+
+    def seal_partial(self, upto: int | None = None) -> int:
+        """Store the tail's whole pages up to position ``upto`` (default: all it holds) as a
+        partial chunk, so a later prompt that shares them reuses them; returns the tokens
+        stored (0: none). One row; nothing changes in this sequence. See
+        ``kvtier.runtime.reuse.seal_pages``."""
+        return reuse.seal_pages(self, self.state.seq_len if upto is None else upto)
 
     def reserve(self, open_chunks: int = 2) -> None:
         """Allocate and touch the buffers of a one-sequence batch now: the arena, the
@@ -333,7 +299,7 @@ class SequenceKV:
         """
         if self.state.seq_len:
             raise ValueError("reserve: the cache already holds tokens; call reset() first")
-        self._start_batch(1)
+        self.start_batch(1)
         self.arena.ensure_open(1, max(1, open_chunks))
         self.state.reset()
 
@@ -373,8 +339,12 @@ class SequenceKV:
             self.staging = None
         self.arena.close()
 
-    def _start_batch(self, rows: int) -> None:
-        """Size the arena and the ring for ``rows`` (an empty state starts the batch)."""
+    def start_batch(self, rows: int) -> None:
+        """Size the arena and the ring for ``rows``; an empty state starts the batch.
+
+        Raises:
+            ValueError: the batch size changed, or the budget cannot hold the tails.
+        """
         state = self.state
         if state.rows and rows != state.rows:
             raise ValueError(

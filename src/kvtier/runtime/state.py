@@ -57,6 +57,14 @@ class SequenceState:
         self.valid = torch.ones(ids.shape[0], hit, dtype=torch.bool)
         return hit
 
+    def adopt_tail(self, ids: torch.Tensor, tail_tokens: int) -> None:
+        """Take a reused partial chunk's ``tail_tokens`` into the tail: ``ids [1, S]`` are
+        every token held after it (the sealed ones and the tail's)."""
+        self.token_ids = ids.clone()
+        self.valid = torch.ones(ids.shape, dtype=torch.bool)
+        self.seq_len = ids.shape[1]
+        self.tail_len = tail_tokens
+
     def extended(
         self, ids: torch.Tensor | None, new_tokens: int, padding: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,157 @@
+"""Reuse of a cached prefix: whole chunks from any tier, then whole pages of a partial one.
+
+A prompt's prefix is adopted in two parts::
+
+    part            unit              key                               where it goes
+    whole chunks    chunk_tokens      chain of H(parent, ids)           the device arena
+    partial chunk   page_tokens each  H(parent, "partial", ids[:p])     the tail
+
+A partial chunk is the first ``p`` tokens (whole pages) after a sealed chunk, stored in a
+whole chunk's buffer, so the lower tiers still move whole chunks. A sequence stores one
+with ``seal_pages`` (the engine does when a prompt's prefill completes and when a request
+ends); ``adopt_pages`` probes the page counts a prompt could use, longest first, and
+copies the first hit into the tail. Token ids are compared on every hit, so reuse stays
+exact; a prefix hit then recomputes fewer than ``page_tokens`` tokens.
+
+Storage faults cost recompute, never an error: lower-tier chunks are promoted to host
+first (blocking), and only the leading run that host then holds is adopted; the chunks
+lost are counted in the manager's ``recomputed_chunks_by_cause``.
+
+The functions mutate the ``SequenceKV`` they are given (state, arena, tail) and the
+tiers (promotions, pins released before they return); same thread as its forwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.manager import LookupResult
+
+if TYPE_CHECKING:
+    from kvtier.runtime.sequence import SequenceKV
+
+
+def adopt_chunks(kv: SequenceKV, ids: torch.Tensor, salt: str, match: LookupResult | None) -> int:
+    """Adopt the whole cached chunks of ``ids [B, S]`` (shared by every row); returns the
+    tokens adopted. ``match``: a caller's lookup of the one row's prefix."""
+    size = kv.layout.chunk_tokens
+    limit = kv.prefix_limit(ids.shape[1])
+    if match is not None and (ids.shape[0] != 1 or match.hit_tokens > limit):
+        raise ValueError("match: a lookup of one row's prefix (at most prefix_limit tokens)")
+    hits = [match] if match is not None else [kv.manager.lookup(r[:limit], salt) for r in ids]
+    hit_chunks = min(len(h.refs) for h in hits)
+    if hit_chunks == 0:
+        return 0
+    refs = [h.refs[:hit_chunks] for h in hits]
+    kv.host.count_reads(sum(h.by_tier.get("host", 0) for h in hits), 0)
+    # Promote to host, then adopt only the leading run that host now holds (pinned until
+    # it is on the device): from a chunk found corrupt or gone on, the prefix is
+    # recomputed. Corrupt chunks are counted where they are found (the promotion).
+    held: list[ChunkRef] = []
+    adopted = hit_chunks
+    try:
+        for row_refs in refs:
+            outcomes = kv.manager.promote(row_refs[:adopted])
+            pinned = kv.host.pin(row_refs[:adopted])
+            held += [r for r, ok in zip(row_refs, pinned, strict=False) if ok]
+            gone = [not ok and o != "corrupt" for o, ok in zip(outcomes, pinned, strict=True)]
+            if any(gone):
+                kv.manager.count_recompute("missing", sum(gone))
+            adopted = next((i for i, ok in enumerate(pinned) if not ok), adopted)
+        if adopted == 0:
+            return 0
+        kv.start_batch(ids.shape[0])
+        hit = kv.state.adopt([r[:adopted] for r in refs], ids, size)
+        placed: list[tuple[int, int, Chunk]] = []
+        for row, row_refs in enumerate(kv.state.refs):
+            for index, ref in enumerate(row_refs):
+                view = kv.host.view(ref)  # pinned above: held until placed
+                if view is not None:
+                    placed.append((row, index, Chunk(ref, view)))
+        kv.arena.place(placed, kv.state.refs)
+    finally:
+        kv.host.unpin(held)
+    return hit
+
+
+def _page_limit(num_tokens: int, page: int) -> int:
+    """Most tokens of a ``num_tokens`` prompt reusable in whole pages (one is computed)."""
+    return ((num_tokens - 1) // page) * page
+
+
+def _partial_ref(kv: SequenceKV, ids: torch.Tensor) -> ChunkRef:
+    """The ref of a partial chunk holding ``ids [p]`` after the last sealed chunk, under
+    the sequence's salt."""
+    refs = kv.state.refs[0] if kv.state.refs else []
+    parent = refs[-1].key if refs else None
+    key = kv.manager.hasher.partial_key(parent, ids.numpy(), kv.state.salt)
+    return ChunkRef.of(key, ids)
+
+
+def _pages_on(kv: SequenceKV) -> bool:
+    page, size = kv.config.page_tokens, kv.layout.chunk_tokens
+    return page < size and size % page == 0
+
+
+def adopt_pages(kv: SequenceKV, ids: torch.Tensor) -> int:
+    """After the adopted chunks, adopt the longest cached partial chunk of ``ids [1, S]``
+    into the tail; returns its tokens (0: none). Probes at most ``T / page - 1`` keys."""
+    if not _pages_on(kv):
+        return 0
+    state, page, size = kv.state, kv.config.page_tokens, kv.layout.chunk_tokens
+    base = state.sealed_chunks * size
+    if base and state.seq_len != base:
+        return 0
+    most = min(_page_limit(ids.shape[1], page) - base, size - page)
+    if any(not r.token_ids for r in (state.refs[0] if state.refs else [])):
+        return 0  # a chain of unknown tokens: nothing after it can match
+    for tokens in range(most, 0, -page):
+        ref = _partial_ref(kv, ids[0, base : base + tokens])
+        if kv.manager.locate(ref) is None:
+            continue
+        outcome = kv.manager.promote([ref])[0]
+        if outcome != "host" or not kv.host.pin([ref])[0]:
+            if outcome == "missing":
+                kv.manager.count_recompute("missing", 1)
+            return 0
+        try:
+            view = kv.host.view(ref)
+            if view is None:
+                return 0
+            if not state.rows:
+                kv.start_batch(1)
+            tails = kv.arena.tails
+            assert tails is not None
+            tails[0, :, :, :, :tokens].copy_(view[:, :, :, :tokens])  # [L, 2, H, p, D]
+            state.adopt_tail(ids[:, : base + tokens], tokens)
+        finally:
+            kv.host.unpin([ref])
+        return tokens
+    return 0
+
+
+def seal_pages(kv: SequenceKV, upto: int) -> int:
+    """Store the tail's whole pages before position ``upto`` as a partial chunk (one row);
+    returns the tokens stored. Nothing is stored when pages are off, the tail holds no
+    whole page below ``upto``, a token id is unknown, or host already holds it."""
+    state = kv.state
+    if not _pages_on(kv) or state.rows != 1 or not state.tail_len:
+        return 0
+    page, size = kv.config.page_tokens, kv.layout.chunk_tokens
+    base = state.sealed_chunks * size
+    tokens = (min(upto, state.seq_len) - base) // page * page
+    if tokens <= 0 or kv.plan is not None:
+        return 0
+    ids = state.token_ids[0, base : base + tokens]
+    if bool((ids < 0).any()) or any(not r.token_ids for r in state.refs[0]):
+        return 0
+    ref = _partial_ref(kv, ids)
+    if kv.manager.locate(ref) is not None:
+        return tokens
+    tails = kv.arena.tails
+    assert tails is not None
+    kv.manager.store([Chunk(ref, tails[0])])  # a whole chunk's buffer; its first pages count
+    return tokens
