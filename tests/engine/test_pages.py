@@ -64,6 +64,17 @@ def test_a_prompt_seen_before_recomputes_less_than_a_page(model: Any, tokenizer:
     assert follow.token_ids == reference_tokens(model, turn, 10)
 
 
+def test_a_prompt_of_whole_chunks_reuses_the_pages_of_its_last_one(
+    model: Any, tokenizer: Any
+) -> None:
+    p = prompt(3 * CHUNK)  # the last chunk is sealed whole; one token must be computed
+    with Engine(model, tokenizer, config()) as engine:
+        engine.submit(p, GREEDY).result()
+        again = engine.submit(p, GREEDY).result()
+    assert again.reused_tokens == pages(len(p)) == 3 * CHUNK - PAGE
+    assert again.token_ids == reference_tokens(model, p, 10)
+
+
 def test_pages_are_matched_by_token_ids_and_tenant(model: Any, tokenizer: Any) -> None:
     p = prompt(3 * CHUNK + 50)
     changed = list(p)

@@ -9,9 +9,11 @@ A prompt's prefix is adopted in two parts::
 A partial chunk is the first ``p`` tokens (whole pages) after a sealed chunk, stored in a
 whole chunk's buffer, so the lower tiers still move whole chunks. A sequence stores one
 with ``seal_pages`` (the engine does when a prompt's prefill completes and when a request
-ends); ``adopt_pages`` probes the page counts a prompt could use, longest first, and
-copies the first hit into the tail. Token ids are compared on every hit, so reuse stays
-exact; a prefix hit then recomputes fewer than ``page_tokens`` tokens.
+ends); ``adopt_pages`` probes what could hold the pages after the adopted chunks — the next
+whole chunk when the prompt holds all its tokens (a prompt of whole chunks re-sent), then
+the partial page counts, longest first — and copies the first hit's pages into the tail.
+Token ids are compared on every hit, so reuse stays exact; a prefix hit then recomputes
+fewer than ``page_tokens`` tokens.
 
 Storage faults cost recompute, never an error: lower-tier chunks are promoted to host
 first (blocking), and only the leading run that host then holds is adopted; the chunks
@@ -23,6 +25,7 @@ tiers (promotions, pins released before they return); same thread as its forward
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,9 +99,27 @@ def _pages_on(kv: SequenceKV) -> bool:
     return page < size and size % page == 0
 
 
+def _candidates(
+    kv: SequenceKV, ids: torch.Tensor, base: int, most: int
+) -> Iterator[tuple[ChunkRef, int]]:
+    """What could hold the pages after ``base``, best first, as ``(ref, tokens)``: the whole
+    next chunk when the prompt holds all its tokens (its first pages are exact: attention
+    is causal), then partial chunks of ``most``, ``most - page``, … tokens."""
+    size, page = kv.layout.chunk_tokens, kv.config.page_tokens
+    if base + size <= ids.shape[1]:
+        whole = ids[0, base : base + size]
+        refs = kv.state.refs[0] if kv.state.refs else []
+        parent = refs[-1].key if refs else None
+        key = kv.manager.hasher.key(parent, whole.numpy(), kv.state.salt)
+        yield ChunkRef.of(key, whole), most
+    for tokens in range(most, 0, -page):
+        yield _partial_ref(kv, ids[0, base : base + tokens]), tokens
+
+
 def adopt_pages(kv: SequenceKV, ids: torch.Tensor) -> int:
-    """After the adopted chunks, adopt the longest cached partial chunk of ``ids [1, S]``
-    into the tail; returns its tokens (0: none). Probes at most ``T / page - 1`` keys."""
+    """After the adopted chunks, adopt the longest cached run of whole pages of
+    ``ids [1, S]`` into the tail — from the next whole chunk or a partial one; returns its
+    tokens (0: none). Probes at most ``T / page`` keys."""
     if not _pages_on(kv):
         return 0
     state, page, size = kv.state, kv.config.page_tokens, kv.layout.chunk_tokens
@@ -106,10 +127,9 @@ def adopt_pages(kv: SequenceKV, ids: torch.Tensor) -> int:
     if base and state.seq_len != base:
         return 0
     most = min(_page_limit(ids.shape[1], page) - base, size - page)
-    if any(not r.token_ids for r in (state.refs[0] if state.refs else [])):
-        return 0  # a chain of unknown tokens: nothing after it can match
-    for tokens in range(most, 0, -page):
-        ref = _partial_ref(kv, ids[0, base : base + tokens])
+    if most <= 0 or any(not r.token_ids for r in (state.refs[0] if state.refs else [])):
+        return 0  # no whole page to reuse, or a chain of unknown tokens
+    for ref, tokens in _candidates(kv, ids, base, most):
         if kv.manager.locate(ref) is None:
             continue
         outcome = kv.manager.promote([ref])[0]

@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--device-budget-mb", type=int, default=128, help="device KV budget per sequence"
     )
     parser.add_argument(
+        "--runner",
+        choices=("auto", "kvtier", "transformers"),
+        default="auto",
+        help="the model's forward: kvtier's own for the Llama family (auto), or transformers'",
+    )
+    parser.add_argument(
         "--max-batch-size",
         type=int,
         default=8,
@@ -141,6 +147,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_queued=args.max_queued,
         max_batch_size=args.max_batch_size,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
+        runner=args.runner,
         cache=TieredCacheConfig(device_budget_bytes=args.device_budget_mb * MiB),
         manager=ManagerConfig(
             chunk_tokens=args.chunk_tokens,
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say(f"loading {args.model or 'the embedded model'}…")
         engine = Engine.from_pretrained(args.model, config)
+        say(f"model runner: {engine.runner.name}")
         name = args.served_model_name or _default_name(args.model)
         app = create_app(engine, name, served)
         say(f"serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)")
