@@ -115,8 +115,9 @@ def test_eviction_never_waits_for_the_disk_write(gated: tuple[KVManager, GatedPu
     """With every disk write held shut, a host that evicts every step keeps storing."""
     manager, puts = gated
     chunks = chunks_of(manager, 10)  # a host of 2 chunks: 8 evictions
-    store_each(manager, chunks)
-    assert puts.started.wait(STORE_TIMEOUT_S)  # the first write-back is on the link, held
+    store_each(manager, chunks[:3])  # chunk 0 is evicted: its write-back goes to the link
+    assert puts.started.wait(STORE_TIMEOUT_S)  # ... and is being written, held shut
+    store_each(manager, chunks[3:])
     assert manager.links[0].inflight_bytes > 0  # the stores returned while it is busy
     assert manager.links[0].stats().submit_blocked_s == 0.0
     stats = manager.stats()
