@@ -12,6 +12,7 @@ tiers) and nothing else. Worker thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +40,43 @@ class Sampled(NamedTuple):
     logits: torch.Tensor
 
 
+@dataclass
+class Packed:
+    """A step's pieces packed end to end in one row.
+
+    Attributes:
+        ids: every piece's tokens, in order.
+        positions: each token's position in its sequence.
+        logit_rows: the packed index of each sampled sequence's last token.
+        sampled: the sequences to sample (decoding ones, and prefills' last pieces).
+        caches: each piece's sequence KV, in packed order.
+        spans: each piece's ``(start, length)`` in the row.
+    """
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+    caches: list[SequenceKV] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+def pack(work: Seq[Piece]) -> Packed:
+    """Pack the pieces of a step; every piece's sequence holds a cache. Pure."""
+    step = Packed()
+    for seq, start, stop in work:
+        cache = seq.cache
+        assert cache is not None
+        step.spans.append((len(step.ids), stop - start))
+        step.caches.append(cache)
+        step.ids.extend(seq.ids[start:stop])
+        step.positions.extend(range(cache.seq_len, cache.seq_len + stop - start))
+        if seq.decoding or not seq.pieces:
+            step.logit_rows.append(len(step.ids) - 1)
+            step.sampled.append(seq)
+    return step
+
+
 class ModelRunner:
     """Runs the model through transformers' modelling for the scheduler.
 
@@ -57,21 +95,10 @@ class ModelRunner:
         """One forward over every piece's ids; every piece's sequence holds a cache.
 
         Raises what the forward raises (the caches' state is then unknown)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []  # packed index of each sampled sequence's last token
-        sampled: list[Sequence] = []
-        caches: list[SequenceKV] = []
-        for seq, start, stop in work:
-            cache = seq.cache
-            assert cache is not None
-            caches.append(cache)
-            ids.extend(seq.ids[start:stop])
-            positions.extend(range(cache.seq_len, cache.seq_len + stop - start))
-            if seq.decoding or not seq.pieces:
-                logit_rows.append(len(ids) - 1)
-                sampled.append(seq)
-        batch = PackedCache(caches, [stop - start for _, start, stop in work])
+        step = pack(work)
+        ids, positions, logit_rows, caches = step.ids, step.positions, step.logit_rows, step.caches
+        sampled = step.sampled
+        batch = PackedCache(caches, [count for _, count in step.spans])
         device = self.device
         out = self.model(
             torch.tensor([ids], dtype=torch.long, device=device),
@@ -114,22 +141,9 @@ class LlamaRunner:
 
         Each sequence's pass begins before the forward and ends after it; a forward that
         raises drops every pass begun (nothing sealed), and the error propagates."""
-        ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        sampled: list[Sequence] = []
-        caches: list[SequenceKV] = []
-        spans: list[tuple[int, int]] = []
-        for seq, start, stop in work:
-            cache = seq.cache
-            assert cache is not None
-            spans.append((len(ids), stop - start))
-            caches.append(cache)
-            ids.extend(seq.ids[start:stop])
-            positions.extend(range(cache.seq_len, cache.seq_len + stop - start))
-            if seq.decoding or not seq.pieces:
-                logit_rows.append(len(ids) - 1)
-                sampled.append(seq)
+        step = pack(work)
+        ids, positions, logit_rows, caches = step.ids, step.positions, step.logit_rows, step.caches
+        sampled, spans = step.sampled, step.spans
         device = self.device
         packed = torch.tensor(ids, dtype=torch.long)
         try:
