@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from kvbench.serve import free_port
+from kvbench.serve import free_port, log_tail
 from kvbench.serve_client import MODEL_NAME
 from kvbench.vllm_env import MAX_MODEL_LEN, venv_python
 
@@ -99,11 +99,7 @@ class HttpServer:
         return self.process.returncode
 
     def log_tail(self, lines: int = 5) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return " | ".join(text.strip().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
 
 def vllm_server(venv: Path, folder: Path, threads: int, kv_gib: int, workdir: Path) -> HttpServer:

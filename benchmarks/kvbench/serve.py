@@ -151,6 +151,15 @@ def server_configs(
     }
 
 
+def log_tail(path: Path, lines: int = 5) -> str:
+    """The last ``lines`` of a server's log on one line (for an error message)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return " | ".join(text.strip().splitlines()[-lines:])
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -222,11 +231,7 @@ class Server:
             self.process.wait()
 
     def log_tail(self, lines: int = 5) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return " | ".join(text.strip().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
 
 # ---- one configuration -----------------------------------------------------------------------

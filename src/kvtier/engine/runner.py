@@ -20,7 +20,7 @@ import torch
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.sequence import Piece, Sequence
 from kvtier.hf import PackedCache
-from kvtier.runtime import SequenceKV
+from kvtier.runtime import SequenceKV, begin_packed
 
 RUNNERS = ("auto", "kvtier", "transformers")
 """``EngineConfig.runner``: ``auto`` takes kvtier's own forward where the architecture has
@@ -146,9 +146,8 @@ class LlamaRunner:
         sampled, spans = step.sampled, step.spans
         device = self.device
         packed = torch.tensor(ids, dtype=torch.long)
+        begin_packed(caches, spans, packed[None])
         try:
-            for cache, (begin, count) in zip(caches, spans, strict=True):
-                cache.begin_forward(count, 1, packed[begin : begin + count][None], None)
             logits = self.llama.forward(
                 packed.to(device),
                 torch.tensor(positions, dtype=torch.long, device=device),

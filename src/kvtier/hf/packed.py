@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvtier.hf.cache import FacadeLayer, SelfManagedCache
-from kvtier.runtime import PackedKV, SequenceKV
+from kvtier.runtime import PackedKV, SequenceKV, begin_packed
 
 
 class PackedCache(SelfManagedCache):
@@ -69,16 +69,7 @@ class PackedCache(SelfManagedCache):
                 f"PackedCache: a forward of {rows} rows × {new_tokens} tokens over "
                 f"{len(self.rows)} sequences packed in one row of {self.total_tokens} tokens"
             )
-        begun: list[SequenceKV] = []
-        try:
-            for (start, count), kv in zip(self.spans, self.rows, strict=True):
-                span = ids[:, start : start + count] if ids is not None else None
-                kv.begin_forward(count, 1, span, None)
-                begun.append(kv)
-        except BaseException:
-            for kv in begun:
-                kv.drop_forward()
-            raise
+        begin_packed(self.rows, self.spans, ids)
 
     def end_forward(self) -> None:
         for kv in self.rows:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvtier.runtime.dispatch import attend, attend_packed
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ChunkRange, Decision, ForwardPlan
-from kvtier.runtime.sequence import SequenceKV, prefix_limit
+from kvtier.runtime.sequence import SequenceKV, begin_packed, prefix_limit
 from kvtier.runtime.stats import CacheStats
 from kvtier.runtime.view import LayerKV, PackedKV
 
@@ -27,6 +27,7 @@ __all__ = [
     "SequenceKV",
     "attend",
     "attend_packed",
+    "begin_packed",
     "layer_groups",
     "prefix_limit",
 ]

@@ -45,6 +45,23 @@ def prefix_limit(num_tokens: int, chunk_tokens: int) -> int:
     return ((num_tokens - 1) // chunk_tokens) * chunk_tokens
 
 
+def begin_packed(
+    kvs: Sequence[SequenceKV], spans: Sequence[tuple[int, int]], ids: torch.Tensor | None
+) -> None:
+    """Begin one pass per sequence packed in one row: span ``(start, length)`` of the
+    packed ids ``[1, N]`` (None: unknown) for each. All or none: when one raises
+    (``ChunkLostError``), the passes begun before it are dropped again."""
+    begun: list[SequenceKV] = []
+    try:
+        for (start, count), kv in zip(spans, kvs, strict=True):
+            kv.begin_forward(count, 1, ids[:, start : start + count] if ids is not None else None)
+            begun.append(kv)
+    except BaseException:
+        for kv in begun:
+            kv.drop_forward()
+        raise
+
+
 class SequenceKV:
     """The KV of ``rows`` sequences that advance together (the engine uses one row).
 
