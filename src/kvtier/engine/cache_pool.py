@@ -8,6 +8,7 @@ thread-safe. ``all`` may be read from other threads for stats (a list copy).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 from kvtier.runtime import SequenceKV
@@ -17,17 +18,21 @@ class CachePool:
     """Reserves ``size`` caches from ``new`` now: the device budget is taken at start and no
     request pays the first touch of its buffers.
 
+    Cache ``i`` is seat ``i`` (``kvtier.runtime.SeatSlab``, when the engine has one): a
+    replaced cache keeps its seat, and ``take`` hands out the lowest idle seat, so decoding
+    sequences fill the slab's first rows (a decode step attends seats ``0 .. max``).
+
     Args:
-        new: builds one cache (unreserved).
+        new: builds the (unreserved) cache of seat ``i``.
         size: caches to keep, one per sequence that may run at once.
         open_chunks: chunks one forward may seal per sequence (``SequenceKV.reserve``).
     """
 
-    def __init__(self, new: Callable[[], SequenceKV], size: int, open_chunks: int) -> None:
+    def __init__(self, new: Callable[[int], SequenceKV], size: int, open_chunks: int) -> None:
         self._new = new
         self._open_chunks = open_chunks
-        self.all: list[SequenceKV] = [self._fresh() for _ in range(size)]
-        self._idle: list[SequenceKV] = list(self.all)
+        self.all: list[SequenceKV] = [self._fresh(i) for i in range(size)]
+        self._idle: list[int] = list(range(size))  # seats; a min-heap
 
     @property
     def idle(self) -> int:
@@ -36,7 +41,7 @@ class CachePool:
 
     def take(self) -> SequenceKV:
         """An empty cache for an admitted sequence; the caller checked ``idle``."""
-        return self._idle.pop()
+        return self.all[heapq.heappop(self._idle)]
 
     def give_back(self, cache: SequenceKV) -> None:
         """Keep a finished (or preempted) sequence's cache for the next one, emptied.
@@ -46,14 +51,14 @@ class CachePool:
         (attention reads them without a mask)."""
         cache.reset()
         cache.clear_device()
-        self._idle.append(cache)
+        heapq.heappush(self._idle, self.all.index(cache))
 
     def replace(self, cache: SequenceKV) -> None:
         """Close a cache whose state is unknown after an error; a fresh one takes its place."""
         cache.close()
-        fresh = self._fresh()
-        self.all[self.all.index(cache)] = fresh
-        self._idle.append(fresh)
+        seat = self.all.index(cache)
+        self.all[seat] = self._fresh(seat)
+        heapq.heappush(self._idle, seat)
 
     def close(self) -> None:
         """Close every cache (the engine closing, after its worker has exited)."""
@@ -61,7 +66,7 @@ class CachePool:
             cache.close()
         self.all, self._idle = [], []
 
-    def _fresh(self) -> SequenceKV:
-        cache = self._new()
+    def _fresh(self, seat: int) -> SequenceKV:
+        cache = self._new(seat)
         cache.reserve(open_chunks=self._open_chunks)
         return cache

@@ -14,7 +14,6 @@ rest in chunk-sized pieces, then decodes token by token with its own sampling pa
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -42,7 +41,7 @@ from kvtier.engine.stats import EngineStats
 from kvtier.hf import attach, model_spec
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
-from kvtier.runtime import CacheStats, SequenceKV
+from kvtier.runtime import CacheStats, SeatSlab, SequenceKV
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +104,30 @@ class Engine:
         attach(model)
         self.metrics = EngineMetrics()
         self._handoff = Handoff(self.config.max_queued, self.config.max_running, self.metrics)
-        new_cache = functools.partial(
-            SequenceKV,
-            self.manager,
-            self.spec.windows,
-            self.config.cache,
-            torch.device(self.config.cache.device or self.device),
-            self.spec.model_type,
+        cache_device = torch.device(self.config.cache.device or self.device)
+        # All layers full attention: the sequences' pools and tails are rows of one slab,
+        # so a decode step attends every sequence with one call per layer.
+        slab = (
+            SeatSlab(
+                self.spec.layout,
+                self.config.max_running,
+                self.config.cache.device_budget_bytes,
+                cache_device,
+            )
+            if all(w is None for w in self.spec.windows)
+            else None
         )
+
+        def new_cache(seat: int) -> SequenceKV:
+            return SequenceKV(
+                self.manager,
+                self.spec.windows,
+                self.config.cache,
+                cache_device,
+                self.spec.model_type,
+                (slab, seat) if slab is not None else None,
+            )
+
         self.runner = make_runner(model, self.device, self.config.runner)
         log.info("model runner: %s", self.runner.name)
         self._scheduler = BatchScheduler(  # reserves the caches (the device budget)

@@ -7,6 +7,7 @@ module runs that shape directly on a step's tokens packed in one row ``[N]``, fr
 weights of the loaded transformers model (shared, not copied, except the fused ones):
 
 - q, k and v are one matmul (their weights concatenated once at start), gate and up one;
+  on the CPU every matmul runs on a oneDNN-packed copy of its weight (``_Linear``);
 - RoPE's cos/sin come from the model's own rotary module, once per step for every layer;
 - the K/V of each sequence's span go to its ``kvtier.runtime.SequenceKV``, and attention
   over every span is one ``kvtier.runtime.attend_packed`` call per layer.
@@ -28,35 +29,70 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvtier.runtime import PackedKV, SequenceKV, attend_packed
+from kvtier.runtime import DecodeBatch, PackedKV, SequenceKV, attend_packed
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose transformers modelling has exactly the shape this module runs."""
 
 
 @dataclass(frozen=True)
+class _Linear:
+    """One projection: the weight ``[out, in]`` as ``F.linear`` takes it, or on the CPU
+    its oneDNN-packed copy (then ``pack`` is set and ``weight`` is None: the unpacked
+    copy is not kept).
+
+    oneDNN's matmul on a packed weight measured 1.3-3x faster than ``F.linear`` (MKL) on
+    this model's projections on the 2-core AMD EPYC, at every row count from 1 to 1,024
+    (docs/benchmarks.md, "the runner's matmuls"), so the CPU runner packs every weight once
+    at start.
+    """
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    pack: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, in]`` → ``[N, out]``."""
+        if self.pack is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a CPU weight ``[out, in]``; None where torch has no oneDNN
+    (or the weight is not on the CPU, or not float32/bfloat16)."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not torch.backends.mkldnn.is_available()
+        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+_PACK_ROWS = 256
+"""The row count oneDNN packs the weights for (any count runs; 16-1,024 measured alike)."""
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
+    pack = _onednn_pack(weight)
+    return _Linear(weight if pack is None else None, bias, pack)
+
+
+@dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's weights, ``[out, in]`` as ``F.linear`` takes them."""
+    """One decoder layer's weights."""
 
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
-    qkv_bias: torch.Tensor | None
+    qkv: _Linear  # [(Hq + 2 Hkv) * D, H]
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq * D]
-    o_bias: torch.Tensor | None
+    o: _Linear  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [H, I]
-    down_bias: torch.Tensor | None
-    # The same weights [in, out] (contiguous) for one-row steps: x @ W^T reads them row
-    # by row, about 1.4x faster than F.linear's matrix-vector product here (see
-    # docs/benchmarks.md, peers); slower from about 16 rows, so both layouts are kept.
-    qkv_t: torch.Tensor
-    o_t: torch.Tensor
-    gate_up_t: torch.Tensor
-    down_t: torch.Tensor
+    gate_up: _Linear  # [2 I, H]
+    down: _Linear  # [H, I]
 
 
 def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -92,8 +128,7 @@ class LlamaModel:
         self.eps = float(config.rms_norm_eps)
         self.embed = base.embed_tokens  # the module: [V, H] lookup
         self.final_norm = base.norm.weight
-        self.lm_head = model.lm_head.weight  # [V, H] (tied: the embedding itself)
-        self.lm_head_t = self.lm_head.t().contiguous()  # [H, V] for one-row steps
+        self.lm_head = _linear(model.lm_head.weight, None)  # [V, H]
         self.rotary = base.rotary_emb
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
@@ -136,21 +171,13 @@ class LlamaModel:
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv=qkv,
-            qkv_bias=_cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+            qkv=_linear(qkv, _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])),
             q_norm=q_norm.weight if q_norm is not None else None,
             k_norm=k_norm.weight if k_norm is not None else None,
-            o=attn.o_proj.weight,
-            o_bias=attn.o_proj.bias,
+            o=_linear(attn.o_proj.weight, attn.o_proj.bias),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=gate_up,
-            gate_up_bias=_cat([mlp.gate_proj.bias, mlp.up_proj.bias]),
-            down=mlp.down_proj.weight,
-            down_bias=mlp.down_proj.bias,
-            qkv_t=qkv.t().contiguous(),
-            o_t=attn.o_proj.weight.t().contiguous(),
-            gate_up_t=gate_up.t().contiguous(),
-            down_t=mlp.down_proj.weight.t().contiguous(),
+            gate_up=_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias])),
+            down=_linear(mlp.down_proj.weight, mlp.down_proj.bias),
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -159,16 +186,6 @@ class LlamaModel:
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * x32.to(dtype)
-
-    @staticmethod
-    def _linear(
-        x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``x [N, in]`` times the weight: ``[in, out]`` for one row, ``[out, in]`` else."""
-        if x.shape[0] != 1:
-            return F.linear(x, weight, bias)
-        out = x @ weight_t
-        return out if bias is None else out + bias
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,9 +218,10 @@ class LlamaModel:
         h = self.embed(ids)  # [N, H]
         cos, sin = self.rotary(h[None], positions[None])  # [1, N, D]
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, D]
+        batch, rest = DecodeBatch.collect(kvs, spans) if kvs is not None else (None, [])
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
-            qkv = self._linear(x, layer.qkv, layer.qkv_t, layer.qkv_bias)  # [N, (Hq+2Hkv) D]
+            qkv = layer.qkv(x)  # [N, (Hq+2Hkv) D]
             q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
             q, k, v = q.view(1, n, hq, dim), k.view(1, n, hkv, dim), v.view(1, n, hkv, dim)
             if layer.q_norm is not None and layer.k_norm is not None:
@@ -211,14 +229,14 @@ class LlamaModel:
             q = self._rope(q.transpose(1, 2), cos, sin)  # [1, Hq, N, D]
             k = self._rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, N, D]
             v = v.transpose(1, 2)
-            out = self._attend(index, q, k, v, kvs, spans)  # [1, N, Hq, D]
-            h = h + self._linear(out.reshape(n, hq * dim), layer.o, layer.o_t, layer.o_bias)
+            out = self._attend(index, q, k, v, kvs, spans, batch, rest)  # [1, N, Hq, D]
+            h = h + layer.o(out.reshape(n, hq * dim))
             x = self._norm(h, layer.post_norm)
-            gate_up = self._linear(x, layer.gate_up, layer.gate_up_t, layer.gate_up_bias)
+            gate_up = layer.gate_up(x)
             gate, up = gate_up.chunk(2, dim=-1)
-            h = h + self._linear(self.act(gate) * up, layer.down, layer.down_t, layer.down_bias)
+            h = h + layer.down(self.act(gate) * up)
         h = self._norm(h[logit_rows], self.final_norm)
-        return self._linear(h, self.lm_head, self.lm_head_t, None)
+        return self.lm_head(h)
 
     def _attend(
         self,
@@ -228,8 +246,11 @@ class LlamaModel:
         v: torch.Tensor,
         kvs: Sequence[SequenceKV] | None,
         spans: Sequence[tuple[int, int]],
+        batch: DecodeBatch | None,
+        rest: Sequence[int],
     ) -> torch.Tensor:
-        """Every span's attention, ``[1, N, Hq, D]``."""
+        """Every span's attention, ``[1, N, Hq, D]``: the decode rows of ``batch`` in one
+        call, the spans ``rest`` (indices) each over its own KV."""
         if kvs is None:  # throw-away forward: causal within each span
             out = torch.empty(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
             for start, length in spans:
@@ -243,8 +264,14 @@ class LlamaModel:
                 )
                 out[:, start : start + length] = part.transpose(1, 2)
             return out
-        views = [
-            kv.write(layer_idx, k[:, :, s : s + m], v[:, :, s : s + m])
-            for (s, m), kv in zip(spans, kvs, strict=True)
-        ]
-        return attend_packed(PackedKV(layer_idx, views, list(spans)), q, self.scale)
+        out = q.new_empty(1, q.shape[2], q.shape[1], q.shape[3])
+        if batch is not None:
+            batch.attend(layer_idx, q, k, v, self.scale, out)
+        if rest:
+            views = []
+            for i in rest:
+                s, m = spans[i]
+                views.append(kvs[i].write(layer_idx, k[:, :, s : s + m], v[:, :, s : s + m]))
+            view = PackedKV(layer_idx, views, [spans[i] for i in rest])
+            attend_packed(view, q, self.scale, out)
+        return out

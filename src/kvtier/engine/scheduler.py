@@ -65,7 +65,7 @@ class BatchScheduler:
         tokenizer: for each sequence's text stream.
         manager: the shared tiers (prefix lookups, prefetches).
         config: batch size, prefill budget, preemption.
-        new_cache: builds one unreserved ``SequenceKV``.
+        new_cache: builds the unreserved ``SequenceKV`` of seat ``i``.
         handoff: where the worker takes submitted handles from; the scheduler publishes
             its lines there.
         metrics: the engine's counters and histograms.
@@ -78,7 +78,7 @@ class BatchScheduler:
         tokenizer: Any,
         manager: KVManager,
         config: EngineConfig,
-        new_cache: Callable[[], SequenceKV],
+        new_cache: Callable[[int], SequenceKV],
         handoff: Handoff,
         metrics: EngineMetrics,
         eos_ids: frozenset[int],

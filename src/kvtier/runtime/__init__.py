@@ -9,9 +9,11 @@ engine drives it directly.
 
 from __future__ import annotations
 
+from kvtier.runtime.decode import DecodeBatch
 from kvtier.runtime.dispatch import attend, attend_packed
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ChunkRange, Decision, ForwardPlan
+from kvtier.runtime.seats import SeatSlab
 from kvtier.runtime.sequence import SequenceKV, begin_packed, prefix_limit
 from kvtier.runtime.stats import CacheStats
 from kvtier.runtime.view import LayerKV, PackedKV
@@ -20,10 +22,12 @@ __all__ = [
     "CacheStats",
     "ChunkRange",
     "Decision",
+    "DecodeBatch",
     "ForwardPlan",
     "LayerGroup",
     "LayerKV",
     "PackedKV",
+    "SeatSlab",
     "SequenceKV",
     "attend",
     "attend_packed",

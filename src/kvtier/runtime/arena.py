@@ -20,7 +20,9 @@ outside the budget (``kvtier.runtime.staging``). The buffer of chunks completed 
 pass lives on the compute device, so a sealed chunk is copied device → host once (by the
 manager's ``store``) and placed on the device from there without crossing the link.
 
-Ownership: the arena owns its pools, tails and open buffer; callers get views that stay
+Ownership: the arena owns its pools, tails and open buffer (a seated arena's pool and
+tail are its row of an engine's ``SeatSlab``, which owns that memory); callers get views
+that stay
 valid until the next ``ensure`` with another row count or ``close``. Mutated by
 ``ensure``, ``place``, ``clear``, ``unpin_sinks`` and ``close``, from the one thread that
 runs the batch's forwards; not thread-safe.
@@ -36,6 +38,7 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
 from kvtier.runtime.groups import LayerGroup
+from kvtier.runtime.seats import SeatSlab
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.pool import PoolTier, device_tier
 
@@ -49,6 +52,12 @@ class DeviceArena:
         budget_bytes: device bytes for tails plus resident chunks.
         device: where everything lives.
         sink_chunks: leading chunks of each sequence pinned in the full-attention pool.
+        seat: ``(slab, index)``: keep the pool and tail in that row of the slab (one-row
+            batches of an all-full-attention model only); None: allocate them here.
+
+    Raises:
+        ValueError: a seat for a model with sliding layers, or whose slab has another
+            slot count than the budget gives.
     """
 
     def __init__(
@@ -58,6 +67,7 @@ class DeviceArena:
         budget_bytes: int,
         device: torch.device,
         sink_chunks: int,
+        seat: tuple[SeatSlab, int] | None = None,
     ) -> None:
         self.layout = layout
         self.groups = list(groups)
@@ -76,6 +86,13 @@ class DeviceArena:
         self._sinks: list[ChunkRef] = []  # pinned in the full pool
         self.peak_group_nbytes = [0] * len(self.groups)  # most each pool held after a place
         self._slots: list[dict[ChunkKey, int]] = [{} for _ in self.groups]  # resident: slot
+        self.seat = seat
+        if seat is not None:
+            if len(self.groups) != 1 or self.groups[0].window is not None:
+                raise ValueError("seat: only a model whose layers are all full attention")
+            slots = self.split(1)[0] // layout.chunk_nbytes
+            if seat[0].slots != slots:
+                raise ValueError(f"seat: the slab has {seat[0].slots} slots, the budget {slots}")
 
     # ---- sizes --------------------------------------------------------------------------
 
@@ -137,6 +154,9 @@ class DeviceArena:
             ValueError: the budget cannot hold one tail chunk per row.
         """
         sizes = self.split(rows)
+        if self.seat is not None:
+            self._ensure_seat(rows, sizes[0])
+            return
         shape = (rows, *self.layout.chunk_shape)
         if self.tails is None or tuple(self.tails.shape) != shape:
             # Only the first tail_len tokens of a tail are ever read: no need to clear it.
@@ -148,6 +168,19 @@ class DeviceArena:
                 for group, size in zip(self.groups, sizes, strict=True)
             ]
         self.rows = rows
+
+    def _ensure_seat(self, rows: int, pool_nbytes: int) -> None:
+        """The pool and tail are the seat's row of the slab (views, allocated there)."""
+        assert self.seat is not None
+        if rows != 1:
+            raise ValueError(f"a seated cache runs one row, not {rows}")
+        slab, index = self.seat
+        if not self.pools:
+            self.tails = slab.tail(index)
+            self.pools = [
+                device_tier(self.layout, pool_nbytes, self.device, storage=slab.pool(index))
+            ]
+        self.rows = 1
 
     def ensure_open(self, rows: int, num_chunks: int) -> torch.Tensor:
         """The buffer for ``num_chunks`` chunks completed in one pass, ``[B, f, L, 2, H, T, D]``."""

@@ -23,15 +23,19 @@ def attend(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tensor:
     return _attend_full(view, query, scale)
 
 
-def attend_packed(view: PackedKV, query: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_packed(
+    view: PackedKV, query: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``query [1, Hq, N, D]`` of packed spans → ``[1, N, Hq, D]``, each span over its own
-    sequence's KV.
+    sequence's KV. ``out``: the step's output to write the spans' rows into (the other
+    rows are left as they are); None: a new one.
 
     Decode spans (one query) of full-attention layers whose whole KV is resident and
     unpadded take a fast path: one attention call per segment and row, and one merge for
     all of them.
     """
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    if out is None:
+        out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
     decodes: list[tuple[int, LayerKV]] = []
     for (start, length), row in zip(view.spans, view.rows, strict=True):
         if length == 1 and row.window is None and row.all_resident:

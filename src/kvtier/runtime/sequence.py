@@ -30,6 +30,7 @@ from kvtier.runtime import reuse
 from kvtier.runtime.arena import DeviceArena
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ForwardPlan, plan_forward, release
+from kvtier.runtime.seats import SeatSlab
 from kvtier.runtime.staging import StagingRing
 from kvtier.runtime.state import SequenceState
 from kvtier.runtime.stats import CacheStats
@@ -71,6 +72,9 @@ class SequenceKV:
         config: device budget, staging, look-ahead, sinks, link.
         device: where the arena and the staging ring live.
         model_type: named in errors about the model's tensors.
+        seat: ``(slab, index)``: the device pool and tail live in that row of an engine's
+            ``SeatSlab`` (one row, full attention only; ``kvtier.runtime.decode`` then
+            attends its decode steps with the other seats'); None: its own.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class SequenceKV:
         config: TieredCacheConfig,
         device: torch.device,
         model_type: str = "model",
+        seat: tuple[SeatSlab, int] | None = None,
     ) -> None:
         if not isinstance(manager.host, PoolTier):
             raise ValueError("manager: the host tier must be a memory pool (PoolTier)")
@@ -96,7 +101,7 @@ class SequenceKV:
         self.windows = list(windows)
         self.groups: list[LayerGroup] = layer_groups(self.windows)
         self.arena = DeviceArena(
-            self.layout, self.groups, config.device_budget_bytes, device, config.sink_chunks
+            self.layout, self.groups, config.device_budget_bytes, device, config.sink_chunks, seat
         )
         self.state = SequenceState()
         self.staging: StagingRing | None = None

@@ -34,6 +34,9 @@ class PoolTier(Tier):
         pin_memory: page-lock a CPU pool (fast, async copies to CUDA).
         eviction_policy: registry name of the eviction policy.
         layer_major: lay the pool out ``[L, 2, H, S, T, D]`` instead of ``[S, L, 2, H, T, D]``.
+        storage: a tensor of exactly the pool's shape, dtype and device to hold the slots
+            (the caller owns it and has touched it; ``kvtier.runtime.seats``); None
+            allocates and touches one.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class PoolTier(Tier):
         pin_memory: bool = False,
         eviction_policy: str = "lru",
         layer_major: bool = False,
+        storage: torch.Tensor | None = None,
     ) -> None:
         super().__init__(name, layout, capacity_bytes, eviction_policy)
         self.device = torch.device(device)
@@ -55,10 +59,22 @@ class PoolTier(Tier):
             if layer_major
             else (self.num_slots, num_layers, two, heads, tokens, dim)
         )
-        self.pool = torch.empty(
-            shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory
-        )
-        self.pool.zero_()  # pre-fault every page now, not on the first put
+        if storage is not None:
+            if (
+                tuple(storage.shape) != shape
+                or storage.dtype != layout.dtype
+                or storage.device != self.device
+            ):
+                raise ValueError(
+                    f"{name}: storage {tuple(storage.shape)} {storage.dtype} on "
+                    f"{storage.device} is not the pool's {shape} {layout.dtype} on {self.device}"
+                )
+            self.pool = storage
+        else:
+            self.pool = torch.empty(
+                shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory
+            )
+            self.pool.zero_()  # pre-fault every page now, not on the first put
         self._free: list[int] = list(range(self.num_slots))  # a min-heap
 
     def _alloc_slot(self) -> int | None:
@@ -120,15 +136,23 @@ def device_tier(
     budget_bytes: int,
     device: torch.device | str | None = None,
     eviction_policy: str = "lru",
+    storage: torch.Tensor | None = None,
 ) -> PoolTier:
     """The device tier: GPU memory on CUDA, otherwise a RAM budget on the CPU.
 
     Layer-major, so that attention reads one layer of every resident chunk in one piece.
+    ``storage``: the slots' tensor when the caller holds it (a seat of a slab).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return PoolTier(
-        "device", layout, budget_bytes, device, eviction_policy=eviction_policy, layer_major=True
+        "device",
+        layout,
+        budget_bytes,
+        device,
+        eviction_policy=eviction_policy,
+        layer_major=True,
+        storage=storage,
     )
 
 
