@@ -26,9 +26,10 @@ Method (one session; per thread count, ``--threads``: 2 then 1 in full mode, 2 i
    ``generate``; their token ids are compared (``tokens_identical``).
 
 Memory: vLLM gets ``VLLM_CPU_KVCACHE_SPACE`` = ``--kv-gib`` (4) GiB of KV; kvtier the same
-total as 16 sequences × ``--kv-gib`` × 3/64 GiB of device budget (192 MiB each: a 4K prompt
-plus its output stays on the device) plus a ``--kv-gib`` / 4 GiB host tier. Neither workload
-comes near either's capacity.
+total: 16 sequences × a device budget that holds a 4K prompt plus its output and tail (208
+MiB each at 4 GiB: 17 chunks of 11.25 MiB; earlier runs gave 192 MiB, one chunk short, so
+the 4K decode streamed a chunk per step) plus the rest as the host tier (768 MiB at 4 GiB).
+Neither workload comes near either's capacity.
 
 Summary (the first thread count's run, ratios kvtier ÷ vLLM unless named otherwise; goals
 in ``goals``): ``serve_output_tps_vs_vllm``, ``offline_16x512_speed_vs_vllm`` (vLLM's wall ÷
@@ -201,12 +202,21 @@ def kvtier_engine_config(kv_gib: float) -> Any:
     )
 
 
+SEQUENCES = 16
+LONGEST_TOKENS = 4096 + 64  # the long prompt and its output: all on the device
+
+
 def device_mb(kv_gib: float) -> int:
-    return int(kv_gib * 1024 * 3 / 64)
+    """Each sequence's device budget: 13/16 of the KV memory split over the sequences, and
+    at least the longest workload's chunks plus its tail (SmolLM2: 11.25 MiB per chunk)."""
+    chunk_mib = 30 * 2 * 3 * 256 * 64 * 4 / 2**20
+    need = (LONGEST_TOKENS // 256 + 1) * chunk_mib
+    return max(int(kv_gib * 1024 * 13 / 16 / SEQUENCES), int(need) + 1)
 
 
 def host_mb(kv_gib: float) -> int:
-    return int(kv_gib * 1024 / 4)
+    """The host tier: the rest of the KV memory."""
+    return int(kv_gib * 1024) - SEQUENCES * device_mb(kv_gib)
 
 
 def kvtier_flags(kv_gib: float) -> list[str]:

@@ -68,13 +68,24 @@ def _run(kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool) ->
     return outs
 
 
-def test_a_decode_batch_equals_each_sequences_attention() -> None:
-    lengths = [5, T + 3, 2 * T + 7, 2 * T - 2]  # the last fills its tail on step 2
+@pytest.mark.parametrize(
+    ("seats", "lengths"),
+    [
+        ([0, 1, 3, 5], [5, T + 3, 2 * T + 7, 2 * T - 2]),  # idle seats 2 and 4 between
+        ([0, 1, 2], [T + 4, T + 4, T + 4]),  # dense: no gather, no mask
+        ([0, 1, 2], [2 * T + 1, T + 1, 2 * T - 3]),  # dense, different lengths (masks)
+        ([0], [3 * T + 5]),  # one seat: its chunks split into parts
+    ],
+)
+def test_a_decode_batch_equals_each_sequences_attention(
+    seats: list[int], lengths: list[int]
+) -> None:
+    """Idle seats between decoding ones, a tail filling mid-run (the 2T-2 one on step 2),
+    no resident chunk (length 5), and the dense case (rows 0..R-1 on seats 0..R-1)."""
     manager = _manager()
     budget = 4 * manager.layout.chunk_nbytes  # a tail and 3 resident chunks per sequence
     config = TieredCacheConfig(device_budget_bytes=budget)
     slab = SeatSlab(manager.layout, 6, budget, torch.device("cpu"))
-    seats = [0, 1, 3, 5]  # seats 2 and 4 idle
     device = torch.device("cpu")
     windows = [None] * LAYERS
     seated = [SequenceKV(manager, windows, config, device, seat=(slab, s)) for s in seats]

@@ -61,16 +61,26 @@ class DecodeBatch:
         self.rows = torch.tensor(list(rows), dtype=torch.long, device=device)
         self.tail_tokens = max(tails) + 1
         self.resident_slots = max((s.stop for s in slot_ranges), default=0)
-        # Additive masks [span, 1, 1, K]: 0 where a seat's row may see the key, -inf else.
+        # Dense: rows 0..R-1 of the step are seats 0..R-1, so no gather or scatter is needed.
+        self.dense = seats == list(range(len(seats))) and list(rows) == list(range(len(seats)))
+        self.same_tail = len(set(tails)) == 1  # one tail position: a slice, no index
+        # Additive masks [span, 1, 1, K]: 0 where a seat's row may see the key, -inf else;
+        # None where every row sees every key (dense, same tail / same slot range).
         lo = torch.zeros(self.span, dtype=torch.long)
         hi = torch.zeros(self.span, dtype=torch.long)
         last = torch.full((self.span,), -1, dtype=torch.long)
         for seat, tail, slots in zip(seats, tails, slot_ranges, strict=True):
             lo[seat], hi[seat], last[seat] = slots.start * size, slots.stop * size, tail
         keys = torch.arange(self.resident_slots * size)
-        self.resident_mask = _additive((keys >= lo[:, None]) & (keys < hi[:, None]), device)
-        self.resident_seen = (hi > lo).to(device)[:, None, None]  # [span, 1, 1]
-        self.tail_mask = _additive(torch.arange(self.tail_tokens) <= last[:, None], device)
+        self.resident_mask: torch.Tensor | None = None
+        self.resident_seen: torch.Tensor | None = None
+        if not (self.dense and all(s == slice(0, self.resident_slots) for s in slot_ranges)):
+            visible = (keys >= lo[:, None]) & (keys < hi[:, None])
+            self.resident_mask = _additive(visible, device)
+            self.resident_seen = (hi > lo).to(device)[:, None, None]  # [span, 1, 1]
+        self.tail_mask: torch.Tensor | None = None
+        if not (self.dense and self.same_tail):
+            self.tail_mask = _additive(torch.arange(self.tail_tokens) <= last[:, None], device)
         # Every decoding seat sees its new token; idle seats' rows are discarded anyway.
         self.tail_seen = torch.ones(1, 1, 1, dtype=torch.bool, device=device)
         _, _, heads, _, dim = slab.layout.chunk_shape
@@ -125,19 +135,33 @@ class DecodeBatch:
         hq = query.shape[1]
         tails = self.slab.tails
         dtype = tails.dtype
-        new_k = keys[0, :, self.rows].transpose(0, 1).to(dtype)  # [R, Hkv, D]
-        new_v = values[0, :, self.rows].transpose(0, 1).to(dtype)
-        tail_k, tail_v = tails[:, layer_idx, 0], tails[:, layer_idx, 1]  # [seats, H, T, D]
-        tail_k[self.seat_idx, :, self.tail_pos] = new_k
-        tail_v[self.seat_idx, :, self.tail_pos] = new_v
-        if self.query is None:
-            self.query = torch.zeros(
-                self.span, hkv, hq // hkv, dim, dtype=torch.float32, device=query.device
-            )
-        q = self.query
-        rows_q = query[0, :, self.rows].transpose(0, 1).reshape(-1, hkv, hq // hkv, dim)
-        q.index_copy_(0, self.seat_idx, rows_q.to(torch.float32))
         span, t = self.span, self.tail_tokens
+        if self.dense:  # rows 0..R-1 are seats 0..R-1
+            new_k, new_v = keys[0, :, :span].transpose(0, 1), values[0, :, :span].transpose(0, 1)
+            q_rows = query[0, :, :span]
+        else:
+            new_k, new_v = (
+                keys[0, :, self.rows].transpose(0, 1),
+                values[0, :, self.rows].transpose(0, 1),
+            )
+            q_rows = query[0, :, self.rows]
+        tail_k, tail_v = tails[:, layer_idx, 0], tails[:, layer_idx, 1]  # [seats, H, T, D]
+        if self.dense and self.same_tail:
+            tail_k[:span, :, t - 1] = new_k.to(dtype)  # [R, Hkv, D]
+            tail_v[:span, :, t - 1] = new_v.to(dtype)
+        else:
+            tail_k[self.seat_idx, :, self.tail_pos] = new_k.to(dtype)
+            tail_v[self.seat_idx, :, self.tail_pos] = new_v.to(dtype)
+        folded = q_rows.transpose(0, 1).reshape(-1, hkv, hq // hkv, dim).to(torch.float32)
+        if self.dense:
+            q = folded  # [R, Hkv, G, D]
+        else:
+            if self.query is None:
+                self.query = torch.zeros(
+                    span, hkv, hq // hkv, dim, dtype=torch.float32, device=query.device
+                )
+            q = self.query
+            q.index_copy_(0, self.seat_idx, folded)
         tail = SegmentResult(
             *attend_flat(
                 q,
@@ -145,11 +169,13 @@ class DecodeBatch:
                 tail_v[:span, :, :t].to(torch.float32),
                 self.tail_mask,
                 scale,
-                seen=self.tail_seen,
+                seen=self.tail_seen if self.tail_mask is not None else None,
             )
         )
         result = tail
-        if self.resident_slots:
+        if self.resident_slots > 1 and span == 1:
+            result = self._split_one(layer_idx, q, tail, scale)
+        elif self.resident_slots:
             pools = self.slab.pools
             n = self.resident_slots
             res_k = pools[:span, layer_idx, 0, :, :n].reshape(span, hkv, -1, dim)
@@ -165,11 +191,43 @@ class DecodeBatch:
                 )
             )
             result = merge([resident, tail])
-        rows_out = result.out[self.seat_idx].reshape(-1, hq, dim)  # [R, Hq, D]
-        out[0].index_copy_(0, self.rows, rows_out.to(out.dtype))
+        if self.dense:
+            out[0, :span] = result.out.reshape(span, hq, dim)
+        else:
+            rows_out = result.out[self.seat_idx].reshape(-1, hq, dim)  # [R, Hq, D]
+            out[0].index_copy_(0, self.rows, rows_out.to(out.dtype))
         for kv in self.kvs:
             assert kv.plan is not None
             kv.plan.layers_written = layer_idx + 1
+
+
+    def _split_one(
+        self, layer_idx: int, q: torch.Tensor, tail: SegmentResult, scale: float
+    ) -> SegmentResult:
+        """One seat: its resident chunks attended as one batch of chunk-long parts (the
+        kernel splits work by batch and head, so one row of ``Hkv`` heads would keep a
+        2-core CPU half idle), then every part and the tail merged exactly."""
+        pools = self.slab.pools
+        n, size = self.resident_slots, self.slab.layout.chunk_tokens
+        res_k = pools[0, layer_idx, 0, :, :n].transpose(0, 1)  # [n, Hkv, T, D]
+        res_v = pools[0, layer_idx, 1, :, :n].transpose(0, 1)
+        mask = seen = None
+        if self.resident_mask is not None:
+            mask = self.resident_mask.view(n, size)[:, None, None]  # [n, 1, 1, T]
+            seen = torch.isfinite(mask).any(dim=-1)  # [n, 1, 1]
+        out, lse = attend_flat(
+            q.expand(n, -1, -1, -1),
+            res_k.to(torch.float32),
+            res_v.to(torch.float32),
+            mask,
+            scale,
+            seen=seen,
+        )
+        lses = torch.cat([lse, tail.lse])  # [n + 1, Hkv, G]
+        total = torch.logsumexp(lses, dim=0, keepdim=True)
+        weights = torch.exp(lses - total).nan_to_num_(0.0).unsqueeze(-1)
+        merged = (torch.cat([out, tail.out]) * weights).sum(dim=0, keepdim=True)
+        return SegmentResult(merged, total)
 
 
 def _all_resident(kv: SequenceKV) -> bool:
