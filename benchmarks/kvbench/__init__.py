@@ -13,4 +13,5 @@ BENCHMARKS = (
     "crash",
     "writeback",
     "peers",
+    "kernel_choice",
 )

@@ -1,0 +1,223 @@
+"""Benchmark ``kernel_choice``: which matmul and pointwise kernels should kvtier's runner use?
+
+Question: on this machine, how fast is every projection of the embedded model (each
+layer's fused q/k/v, o, fused gate/up and down, plus the head) at the row counts a step
+has — one decoding sequence (1), a decode batch (4, 16), a prefill piece (256, 1,024) —
+through
+
+- ``F.linear`` on the ``[out, in]`` weights (transformers' path: MKL on the CPU),
+- ``x @ W`` on ``[in, out]`` copies (the runner's one-row path before oneDNN),
+- oneDNN's matmul on packed weights (``kvtier.engine.llama._Linear``, the runner's path),
+
+and do the runner's pointwise stages (RMSNorm, RoPE on q and k, SiLU·mul, residual add
+and norm) gain from ``torch.compile`` (inductor, dynamic shapes) over eager? Every case
+runs interleaved, ``--repeats`` times, on the embedded model's real weights; figures are
+medians. The bound of a one-row step is the weight bytes ÷ the streaming read bandwidth
+(best of 5 sums of a 512 MiB tensor).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvtier.engine.llama import LlamaModel, _Linear
+from kvtier.models import load_model
+
+
+def read_gbps(threads: int, nbytes: int = 512 * 2**20) -> float:
+    """Streaming read bandwidth: best of 5 sums of a pre-touched fp32 tensor."""
+    torch.set_num_threads(threads)
+    data = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, _Linear]]:
+    """Every projection of a step: (its ``[out, in]`` weight, the runner's packed one)."""
+    out: list[tuple[torch.Tensor, _Linear]] = []
+    for layer, fused in zip(model.model.layers, llama.layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        out += [(qkv, fused.qkv), (attn.o_proj.weight, fused.o)]
+        out += [(gate_up, fused.gate_up), (mlp.down_proj.weight, fused.down)]
+    out.append((model.lm_head.weight, llama.lm_head))
+    return out
+
+
+def matmul_cases(
+    weights: list[tuple[torch.Tensor, _Linear]], rows: int
+) -> dict[str, Callable[[], float]]:
+    """The three ways to run every projection once on ``rows`` rows; each returns seconds."""
+    gen = torch.Generator().manual_seed(rows)
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w, _ in weights}
+    transposed = [w.t().contiguous() for w, _ in weights]
+
+    def timed(fn: Callable[[], None]) -> Callable[[], float]:
+        def case() -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+
+        return case
+
+    def linear() -> None:
+        for w, _ in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    def in_out() -> None:
+        for (w, _), wt in zip(weights, transposed, strict=True):
+            inputs[w.shape[1]] @ wt
+
+    def onednn() -> None:
+        for w, packed in weights:
+            packed(inputs[w.shape[1]])
+
+    return {"F.linear": timed(linear), "x @ W[in,out]": timed(in_out), "onednn": timed(onednn)}
+
+
+def pointwise(llama: LlamaModel, rows: int, compiled: bool) -> Callable[[], float]:
+    """One layer's pointwise stages on ``rows`` tokens (eager or compiled); seconds."""
+    hq, hkv, dim = llama.num_heads, llama.num_kv_heads, llama.head_dim
+    layer = llama.layers[0]
+    gen = torch.Generator().manual_seed(rows)
+    width = layer.gate_up.pack.size(0) if layer.gate_up.pack is not None else 0
+    hidden = llama.final_norm.shape[0]
+    h = torch.randn(rows, hidden, generator=gen)
+    delta = torch.randn(rows, hidden, generator=gen)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * dim, generator=gen)
+    gate_up = torch.randn(rows, width or 2 * hidden, generator=gen)
+    cos = torch.randn(1, 1, rows, dim, generator=gen)
+    sin = torch.randn(1, 1, rows, dim, generator=gen)
+
+    def stages(
+        h: torch.Tensor, delta: torch.Tensor, qkv: torch.Tensor, gate_up: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        x = llama._norm(h, layer.input_norm)
+        q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+        q = llama._rope(q.view(1, rows, hq, dim).transpose(1, 2), cos, sin)
+        k = llama._rope(k.view(1, rows, hkv, dim).transpose(1, 2), cos, sin)
+        h = h + delta
+        y = llama._norm(h, layer.post_norm)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x, q, k, v, y, llama.act(gate) * up
+
+    fn = torch.compile(stages, dynamic=True) if compiled else stages
+
+    def case() -> float:
+        start = time.perf_counter()
+        for _ in range(20):
+            fn(h, delta, qkv, gate_up)
+        return (time.perf_counter() - start) / 20
+
+    return case
+
+
+def run(args: Any) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    model = load_model().model
+    llama = LlamaModel(model)
+    weights = projections(model, llama)
+    nbytes = sum(w.numel() * w.element_size() for w, _ in weights)
+    flops_per_row = 2 * sum(w.numel() for w, _ in weights)
+    matmuls: dict[str, dict[str, float]] = {}
+    for rows in args.rows:
+        cases = matmul_cases(weights, rows)
+        for case in cases.values():  # warm
+            case()
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.repeats):
+            for name, case in cases.items():
+                times[name].append(case())
+        matmuls[str(rows)] = {name: median(values) * 1e3 for name, values in times.items()}
+    point: dict[str, dict[str, float]] = {}
+    for rows in args.pointwise_rows:
+        eager = pointwise(llama, rows, compiled=False)
+        compiled = pointwise(llama, rows, compiled=True)
+        start = time.perf_counter()
+        compiled()  # the first call compiles (or loads from inductor's cache)
+        first_s = time.perf_counter() - start
+        eager()
+        times_pw: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(args.repeats):
+            times_pw["eager"].append(eager())
+            times_pw["compiled"].append(compiled())
+        point[str(rows)] = {
+            "eager_us_per_layer": median(times_pw["eager"]) * 1e6,
+            "compiled_us_per_layer": median(times_pw["compiled"]) * 1e6,
+            "first_call_s": first_s,
+        }
+    gbps = read_gbps(args.threads)
+    one = matmuls.get("1", {})
+    return {
+        "weight_bytes": nbytes,
+        "read_gbps": gbps,
+        "bound_one_row_ms": nbytes / gbps / 1e6,
+        "matmul_ms": matmuls,
+        "matmul_gbps": {
+            rows: {name: nbytes / ms / 1e6 for name, ms in cases.items()}
+            for rows, cases in matmuls.items()
+        },
+        "matmul_gflops": {
+            rows: {name: flops_per_row * int(rows) / ms / 1e6 for name, ms in cases.items()}
+            for rows, cases in matmuls.items()
+        },
+        "pointwise": point,
+        "summary": {
+            "onednn_vs_linear_1_row": one.get("F.linear", 0) / one["onednn"] if one else None,
+            "onednn_one_row_vs_bound": (nbytes / gbps / 1e6) / one["onednn"] if one else None,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser("kernel_choice", __doc__.splitlines()[0] if __doc__ else "kernel_choice")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs of each case")
+    args = parser.parse_args(argv)
+    args.rows = [1, 16, 256] if args.quick else [1, 4, 16, 64, 256, 1024]
+    args.pointwise_rows = [1, 256] if args.quick else [1, 16, 256]
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    info = machine_info({})
+    print_machine(info)
+    result = run(args)
+    result["machine"] = info
+    result["args"] = {k: v for k, v in vars(args).items() if k != "json"}
+    print(
+        f"{'rows':>6}" + "".join(f"{name:>22}" for name in next(iter(result["matmul_ms"].values())))
+    )
+    for rows, cases in result["matmul_ms"].items():
+        gflops = result["matmul_gflops"][rows]
+        cells = "".join(f"{ms:>10.1f} ms {gflops[n]:>5.0f} GF" for n, ms in cases.items())
+        print(f"{rows:>6}{cells}")
+    print(
+        f"one-row bound: {result['weight_bytes'] / 1e6:.0f} MB of weights / "
+        f"{result['read_gbps']:.1f} GB/s = {result['bound_one_row_ms']:.1f} ms"
+    )
+    for rows, p in result["pointwise"].items():
+        print(
+            f"pointwise, {rows} rows: eager {p['eager_us_per_layer']:.0f} us/layer, compiled "
+            f"{p['compiled_us_per_layer']:.0f} us/layer (first call {p['first_call_s']:.1f} s)"
+        )
+    write_json(args.json, result)
+    s = result["summary"]
+    print(
+        f"summary: oneDNN one-row pass {s['onednn_vs_linear_1_row']:.2f}x faster than F.linear, "
+        f"{s['onednn_one_row_vs_bound']:.2f} of the read bound"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
