@@ -73,7 +73,8 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 _PACK_ROWS = 16
-"""The row count oneDNN packs the weights for (any count runs: 16 measured best or equal from 1 to 1,024 rows)."""
+"""The row count oneDNN packs the weights for; any count runs (16 measured best or equal
+from 1 to 1,024 rows)."""
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
