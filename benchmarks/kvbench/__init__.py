@@ -14,4 +14,5 @@ BENCHMARKS = (
     "writeback",
     "peers",
     "kernel_choice",
+    "profile_step",
 )
