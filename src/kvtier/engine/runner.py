@@ -77,6 +77,19 @@ def pack(work: Seq[Piece]) -> Packed:
     return step
 
 
+def seat_order(work: Seq[Piece]) -> list[Piece]:
+    """The pieces with the one-token pieces of seated sequences first, by seat; the others
+    after them in their order. Pure."""
+
+    def seat(piece: Piece) -> int | None:
+        seq, start, stop = piece
+        where = seq.cache.arena.seat if seq.cache is not None else None
+        return where[1] if stop - start == 1 and where is not None else None
+
+    first = sorted((p for p in work if seat(p) is not None), key=lambda p: seat(p) or 0)
+    return first + [p for p in work if seat(p) is None]
+
+
 class ModelRunner:
     """Runs the model through transformers' modelling for the scheduler.
 
@@ -140,8 +153,11 @@ class LlamaRunner:
         """One forward over every piece's ids; every piece's sequence holds a cache.
 
         Each sequence's pass begins before the forward and ends after it; a forward that
-        raises drops every pass begun (nothing sealed), and the error propagates."""
-        step = pack(work)
+        raises drops every pass begun (nothing sealed), and the error propagates. One-token
+        pieces of seated sequences go first, in seat order, so the step's decode rows
+        ``0..R-1`` are seats ``0..R-1`` whenever those are the decoding ones
+        (``kvtier.runtime.DecodeBatch``: no gather, no scatter)."""
+        step = pack(seat_order(work))
         ids, positions, logit_rows, caches = step.ids, step.positions, step.logit_rows, step.caches
         sampled, spans = step.sampled, step.spans
         device = self.device
