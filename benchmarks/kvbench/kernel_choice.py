@@ -26,20 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.peers import read_gbps
 from kvtier.engine.llama import LlamaModel, _Linear
 from kvtier.models import load_model
-
-
-def read_gbps(threads: int, nbytes: int = 512 * 2**20) -> float:
-    """Streaming read bandwidth: best of 5 sums of a pre-touched fp32 tensor."""
-    torch.set_num_threads(threads)
-    data = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
 
 
 def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, _Linear]]:
@@ -157,7 +146,7 @@ def run(args: Any) -> dict[str, Any]:
             "compiled_us_per_layer": median(times_pw["compiled"]) * 1e6,
             "first_call_s": first_s,
         }
-    gbps = read_gbps(args.threads)
+    gbps = read_gbps(512 * 2**20, args.threads)
     one = matmuls.get("1", {})
     return {
         "weight_bytes": nbytes,

@@ -18,8 +18,8 @@ No Python in the layer loop grows with the number of rows. Seats between the dec
 qualify (a prefill piece, streamed or padded KV, a sliding layer, no seat) keep the
 per-sequence path (``SequenceKV.write`` and ``attend_packed``).
 
-Mutates the rows' tails (the slab) and their passes' written-layer count; owns its mask
-and query buffer. Built and used by the thread running the step.
+Mutates the rows' tails (the slab) and, at the last layer, their passes' written-layer
+count; owns its mask and query buffer. Built and used by the thread running the step.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class DecodeBatch:
             slot_ranges.append(plan.resident[0].slots)
         device = slab.device
         self.span = max(seats) + 1  # seats 0 .. span-1 are attended
+        self.last_layer = slab.layout.num_layers - 1
         self.seat_idx = torch.tensor(seats, dtype=torch.long, device=device)
         self.tail_pos = torch.tensor(tails, dtype=torch.long, device=device)
         self.rows = torch.tensor(list(rows), dtype=torch.long, device=device)
@@ -167,9 +168,10 @@ class DecodeBatch:
         else:
             rows_out = result[self.seat_idx].reshape(-1, hq, dim)  # [R, Hq, D]
             out[0].index_copy_(0, self.rows, rows_out.to(out.dtype))
-        for kv in self.kvs:
-            assert kv.plan is not None
-            kv.plan.layers_written = layer_idx + 1
+        if layer_idx == self.last_layer:  # the passes are complete (end_forward checks)
+            for kv in self.kvs:
+                assert kv.plan is not None
+                kv.plan.layers_written = layer_idx + 1
 
     def _attend_parts(self, layer_idx: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """One seat: its tail and resident chunks attended as a batch of chunk-long parts
