@@ -74,7 +74,7 @@ def _run(kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool) ->
         ([0, 1, 3, 5], [5, T + 3, 2 * T + 7, 2 * T - 2]),  # idle seats 2 and 4 between
         ([0, 1, 2], [T + 4, T + 4, T + 4]),  # dense: no gather, no mask
         ([0, 1, 2], [2 * T + 1, T + 1, 2 * T - 3]),  # dense, different lengths (masks)
-        ([0], [3 * T + 5]),  # one seat: its chunks split into parts
+        ([0], [3 * T + 5]),  # one seat, several resident chunks
     ],
 )
 def test_a_decode_batch_equals_each_sequences_attention(

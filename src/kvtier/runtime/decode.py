@@ -9,8 +9,8 @@ tail's unfilled end and the slots a seat does not use are masked). Per layer, ``
 
 1. stores every row's new K/V in its tail with one indexed write,
 2. attends the folded queries of all seats ``0 .. max seat`` to their tails and resident
-   chunks with one fused kernel call (one seat alone: its slots as a batch of chunk-long
-   parts, merged exactly, so both cores work),
+   chunks with one fused kernel call (one seat's chunks split into a batch of parts and
+   merged measured slower in the engine, at a 4K context, than this one call),
 3. writes each row's output into the step's output.
 
 No Python in the layer loop grows with the number of rows. Seats between the decoding ones
@@ -76,10 +76,6 @@ class DecodeBatch:
         self.mask = _additive(visible, device)  # [span, 1, 1, (1 + n) T]
         # Every decoding seat sees its new token; idle seats' rows are discarded anyway.
         self.seen = torch.ones(1, 1, 1, dtype=torch.bool, device=device)
-        self.part_seen: torch.Tensor | None = None  # [1 + n, 1, 1]: one seat, by part
-        if self.span == 1 and self.slots:
-            self.part_seen = visible.view(1 + self.slots, size).any(dim=-1)[:, None, None]
-            self.part_seen = self.part_seen.to(device)
         _, _, heads, _, dim = slab.layout.chunk_shape
         self.kv_heads, self.head_dim = heads, dim
         self.query: torch.Tensor | None = None  # [span, Hkv, G, D], sized at the first layer
@@ -156,13 +152,10 @@ class DecodeBatch:
                 )
             q = self.query
             q.index_copy_(0, self.seat_idx, folded)
-        if self.part_seen is not None:
-            result = self._attend_parts(layer_idx, q, scale)
-        else:
-            k, v = self.slab.kv(layer_idx, span, self.slots)
-            result, _ = attend_flat(
-                q, k.to(torch.float32), v.to(torch.float32), self.mask, scale, seen=self.seen
-            )
+        k, v = self.slab.kv(layer_idx, span, self.slots)
+        result, _ = attend_flat(
+            q, k.to(torch.float32), v.to(torch.float32), self.mask, scale, seen=self.seen
+        )
         if self.dense:
             out[0, :span] = result.reshape(span, hq, dim)
         else:
@@ -172,28 +165,6 @@ class DecodeBatch:
             for kv in self.kvs:
                 assert kv.plan is not None
                 kv.plan.layers_written = layer_idx + 1
-
-    def _attend_parts(self, layer_idx: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """One seat: its tail and resident chunks attended as a batch of chunk-long parts
-        (the kernel splits work by batch and head, so one row of ``Hkv`` heads would keep
-        a 2-core CPU half idle), merged exactly; ``[1, Hkv, G, D]``."""
-        assert self.part_seen is not None
-        parts, size = 1 + self.slots, self.slab.layout.chunk_tokens
-        k, v = self.slab.kv(layer_idx, 1, self.slots)  # [1, H, parts * T, D]
-        k = k[0].view(self.kv_heads, parts, size, self.head_dim).transpose(0, 1)
-        v = v[0].view(self.kv_heads, parts, size, self.head_dim).transpose(0, 1)
-        mask = self.mask.view(parts, size)[:, None, None]  # [parts, 1, 1, T]
-        out, lse = attend_flat(
-            q.expand(parts, -1, -1, -1),
-            k.to(torch.float32),
-            v.to(torch.float32),
-            mask,
-            scale,
-            seen=self.part_seen,
-        )
-        total = torch.logsumexp(lse, dim=0, keepdim=True)  # [1, Hkv, G]
-        weights = torch.exp(lse - total).nan_to_num_(0.0).unsqueeze(-1)
-        return (out * weights).sum(dim=0, keepdim=True)
 
 
 def _all_resident(kv: SequenceKV) -> bool:
