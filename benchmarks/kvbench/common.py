@@ -11,9 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.kv import KVLayout
 from kvtier.machine import machine_info, print_machine
 
+EMBEDDED_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, chunk_tokens=256)
+"""The embedded SmolLM2-135M's KV layout (fp32, 256-token chunks: 11.25 MiB each)."""
+
 __all__ = [
+    "EMBEDDED_LAYOUT",
     "base_parser",
     "interleave",
     "machine_info",

@@ -75,17 +75,18 @@ def matmul_cases(
     return {"F.linear": timed(linear), "x @ W[in,out]": timed(in_out), "onednn": timed(onednn)}
 
 
-def pointwise(llama: LlamaModel, rows: int, compiled: bool) -> Callable[[], float]:
+def pointwise(
+    llama: LlamaModel, intermediate: int, rows: int, compiled: bool
+) -> Callable[[], float]:
     """One layer's pointwise stages on ``rows`` tokens (eager or compiled); seconds."""
     hq, hkv, dim = llama.num_heads, llama.num_kv_heads, llama.head_dim
     layer = llama.layers[0]
     gen = torch.Generator().manual_seed(rows)
-    width = layer.gate_up.pack.size(0) if layer.gate_up.pack is not None else 0
     hidden = llama.final_norm.shape[0]
     h = torch.randn(rows, hidden, generator=gen)
     delta = torch.randn(rows, hidden, generator=gen)
     qkv = torch.randn(rows, (hq + 2 * hkv) * dim, generator=gen)
-    gate_up = torch.randn(rows, width or 2 * hidden, generator=gen)
+    gate_up = torch.randn(rows, 2 * intermediate, generator=gen)
     cos = torch.randn(1, 1, rows, dim, generator=gen)
     sin = torch.randn(1, 1, rows, dim, generator=gen)
 
@@ -131,8 +132,9 @@ def run(args: Any) -> dict[str, Any]:
         matmuls[str(rows)] = {name: median(values) * 1e3 for name, values in times.items()}
     point: dict[str, dict[str, float]] = {}
     for rows in args.pointwise_rows:
-        eager = pointwise(llama, rows, compiled=False)
-        compiled = pointwise(llama, rows, compiled=True)
+        width = int(model.config.intermediate_size)
+        eager = pointwise(llama, width, rows, compiled=False)
+        compiled = pointwise(llama, width, rows, compiled=True)
         start = time.perf_counter()
         compiled()  # the first call compiles (or loads from inductor's cache)
         first_s = time.perf_counter() - start

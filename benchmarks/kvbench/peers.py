@@ -53,7 +53,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import (
+    EMBEDDED_LAYOUT,
+    base_parser,
+    machine_info,
+    median,
+    print_machine,
+    write_json,
+)
 from kvbench.peer_runs import (
     HttpServer,
     OfflineWorker,
@@ -209,8 +216,9 @@ LONGEST_TOKENS = 4096 + 64  # the long prompt and its output: all on the device
 def device_mb(kv_gib: float) -> int:
     """Each sequence's device budget: 13/16 of the KV memory split over the sequences, and
     at least the longest workload's chunks plus its tail (SmolLM2: 11.25 MiB per chunk)."""
-    chunk_mib = 30 * 2 * 3 * 256 * 64 * 4 / 2**20
-    need = (LONGEST_TOKENS // 256 + 1) * chunk_mib
+    layout = EMBEDDED_LAYOUT
+    chunk_mib = layout.chunk_nbytes / 2**20
+    need = (LONGEST_TOKENS // layout.chunk_tokens + 1) * chunk_mib
     return max(int(kv_gib * 1024 * 13 / 16 / SEQUENCES), int(need) + 1)
 
 

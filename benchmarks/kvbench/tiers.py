@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvbench.common import (
+    EMBEDDED_LAYOUT,
     base_parser,
     interleave,
     machine_info,
@@ -32,8 +33,6 @@ from kvbench.common import (
 from kvtier.kv import Chunk, ChunkRef, KVLayout
 from kvtier.tiers import Tier, host_tier
 from kvtier.tiers.disk import DiskTier
-
-EMBEDDED_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, chunk_tokens=256)
 
 
 def make_chunks(layout: KVLayout, count: int, seed: int) -> list[Chunk]:

@@ -25,13 +25,19 @@ from typing import Any
 
 import torch
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import (
+    EMBEDDED_LAYOUT,
+    base_parser,
+    machine_info,
+    median,
+    print_machine,
+    write_json,
+)
 from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig
-from kvtier.kv import Chunk, KVLayout
+from kvtier.kv import Chunk
 from kvtier.manager import KVManager
 from kvtier.transfer import Throttle
 
-EMBEDDED_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, chunk_tokens=256)
 WIDTH = 1024  # the compute part: [64, WIDTH] @ [WIDTH, WIDTH], repeated
 
 

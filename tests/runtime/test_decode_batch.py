@@ -114,8 +114,9 @@ def test_a_seat_needs_full_attention_and_the_budgets_slot_count() -> None:
     other = TieredCacheConfig(device_budget_bytes=3 * manager.layout.chunk_nbytes)
     with pytest.raises(ValueError, match="slots"):
         SequenceKV(manager, [None] * LAYERS, other, torch.device("cpu"), seat=(slab, 0))
-    with pytest.raises(ValueError, match="no resident chunk"):
-        SeatSlab(manager.layout, 2, manager.layout.chunk_nbytes, torch.device("cpu"))
+    with pytest.raises(ValueError, match="below the minimum"):
+        SeatSlab(manager.layout, 2, manager.layout.chunk_nbytes - 1, torch.device("cpu"))
+    assert SeatSlab(manager.layout, 2, manager.layout.chunk_nbytes, torch.device("cpu")).slots == 0
 
 
 def test_a_pool_on_given_storage_checks_its_shape() -> None:

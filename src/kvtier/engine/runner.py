@@ -81,13 +81,17 @@ def seat_order(work: Seq[Piece]) -> list[Piece]:
     """The pieces with the one-token pieces of seated sequences first, by seat; the others
     after them in their order. Pure."""
 
-    def seat(piece: Piece) -> int | None:
+    seated: list[tuple[int, Piece]] = []
+    rest: list[Piece] = []
+    for piece in work:
         seq, start, stop = piece
         where = seq.cache.arena.seat if seq.cache is not None else None
-        return where[1] if stop - start == 1 and where is not None else None
-
-    first = sorted((p for p in work if seat(p) is not None), key=lambda p: seat(p) or 0)
-    return first + [p for p in work if seat(p) is None]
+        if stop - start == 1 and where is not None:
+            seated.append((where[1], piece))
+        else:
+            rest.append(piece)
+    seated.sort(key=lambda item: item[0])
+    return [piece for _, piece in seated] + rest
 
 
 class ModelRunner:

@@ -63,7 +63,8 @@ class DecodeBatch:
         self.slots = max((s.stop for s in slot_ranges), default=0)  # pool slots read
         # Dense: rows 0..R-1 of the step are seats 0..R-1, so no gather or scatter is needed.
         self.dense = seats == list(range(len(seats))) and list(rows) == list(range(len(seats)))
-        self.same_tail = len(set(tails)) == 1  # one tail position: a slice, no index
+        # One tail position for every row: a slice, no index.
+        self.same_tail: int | None = tails[0] if len(set(tails)) == 1 else None
         # Keys of a seat's row: tail tokens 0..T-1, then pool slot j at (1 + j) T.
         last = torch.full((self.span,), -1, dtype=torch.long)  # idle seats see nothing
         lo = torch.zeros(self.span, dtype=torch.long)
@@ -135,8 +136,8 @@ class DecodeBatch:
             q_rows = query[0, :, self.rows]
         tail_k, tail_v = self.slab.tails(layer_idx)  # [seats, H, T, D]
         dtype = tail_k.dtype
-        if self.dense and self.same_tail:
-            pos = int(self.tail_pos[0])
+        if self.dense and self.same_tail is not None:
+            pos = self.same_tail
             tail_k[:span, :, pos] = new_k.transpose(0, 1).to(dtype)  # [R, Hkv, D]
             tail_v[:span, :, pos] = new_v.transpose(0, 1).to(dtype)
         else:

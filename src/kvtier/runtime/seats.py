@@ -37,17 +37,17 @@ class SeatSlab:
         device: where the slab lives.
 
     Raises:
-        ValueError: the budget cannot hold a tail and one resident chunk.
+        ValueError: the budget cannot hold a tail chunk.
     """
 
     def __init__(
         self, layout: KVLayout, seats: int, budget_bytes: int, device: torch.device
     ) -> None:
         chunk = layout.chunk_nbytes
-        if budget_bytes < 2 * chunk:
+        if budget_bytes < chunk:
             raise ValueError(
-                f"device_budget_bytes: {budget_bytes} holds no resident chunk beside the "
-                f"{chunk}-byte tail; seats need at least {2 * chunk}"
+                f"device_budget_bytes: {budget_bytes} is below the minimum {chunk} for a "
+                f"sequence (one {chunk}-byte tail chunk)"
             )
         self.layout = layout
         self.seats = seats
