@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvtier import native
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner, ModelRunner, make_runner
@@ -50,13 +51,19 @@ def prompts() -> list[list[int]]:
     return [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate(LENGTHS)]
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("name", list(FAMILY))
-def test_batched_greedy_tokens_equal_transformers(name: str, tokenizer: Any) -> None:
+def test_batched_greedy_tokens_equal_transformers(
+    name: str, kernels: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With kvtier's CPU kernels and with torch's ops only (``KVTIER_NATIVE=0``)."""
+    monkeypatch.setenv(native.ENV_SWITCH, "1" if kernels == "native" else "0")
     model = family_model(name, tokenizer)
     expected = [reference_tokens(model, p, 12) for p in prompts()]
     config = dataclasses.replace(engine_config(), runner="kvtier")
     with Engine(model, tokenizer, config) as engine:
         assert isinstance(engine.runner, LlamaRunner)
+        assert (engine.runner.llama.ops is not None) == (kernels == "native")
         outs = [h.result() for h in [engine.submit(p, GREEDY) for p in prompts()]]
         # The next turn reuses the first turn's chunks (prefix hit) and stays exact.
         turn = prompts()[3] + outs[3].token_ids + [77, 78]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier import native
 from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
 from kvtier.kv import KVLayout
 from kvtier.manager import KVManager
@@ -77,11 +78,14 @@ def _run(kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool) ->
         ([0], [3 * T + 5]),  # one seat, several resident chunks
     ],
 )
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_a_decode_batch_equals_each_sequences_attention(
-    seats: list[int], lengths: list[int]
+    seats: list[int], lengths: list[int], kernels: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Idle seats between decoding ones, a tail filling mid-run (the 2T-2 one on step 2),
-    no resident chunk (length 5), and the dense case (rows 0..R-1 on seats 0..R-1)."""
+    no resident chunk (length 5), and the dense case (rows 0..R-1 on seats 0..R-1); with
+    kvtier's CPU kernel and with torch's (``KVTIER_NATIVE=0``)."""
+    monkeypatch.setenv(native.ENV_SWITCH, "1" if kernels == "native" else "0")
     manager = _manager()
     budget = 4 * manager.layout.chunk_nbytes  # a tail and 3 resident chunks per sequence
     config = TieredCacheConfig(device_budget_bytes=budget)
@@ -91,6 +95,7 @@ def test_a_decode_batch_equals_each_sequences_attention(
     seated = [SequenceKV(manager, windows, config, device, seat=(slab, s)) for s in seats]
     plain = [SequenceKV(_manager(), windows, config, device) for _ in seats]
     got = _run(seated, lengths, 4, seated=True)
+    assert (native.ops() is not None) == (kernels == "native")
     want = _run(plain, lengths, 4, seated=False)
     for a, b in zip(got, want, strict=True):
         assert not a.isnan().any()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvtier import native
 from kvtier.runtime import DecodeBatch, PackedKV, SequenceKV, attend_packed
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -134,6 +135,10 @@ class LlamaModel:
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
         self.layers = [self._fuse(layer) for layer in base.layers]
+        weight = model.lm_head.weight
+        cpu32 = weight.is_cpu and weight.dtype == torch.float32
+        # kvtier's CPU kernels (float32), or None: torch's ops
+        self.ops = native.ops() if cpu32 else None
 
     @staticmethod
     def why_not(model: Any) -> str | None:
@@ -218,8 +223,11 @@ class LlamaModel:
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed(ids)  # [N, H]
         cos, sin = self.rotary(h[None], positions[None])  # [1, N, D]
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, D]
         batch, rest = DecodeBatch.collect(kvs, spans) if kvs is not None else (None, [])
+        ops = self.ops if h.dtype == torch.float32 and h.device.type == "cpu" else None
+        if ops is not None:
+            return self._forward_native(ops, h, cos[0], sin[0], kvs, spans, logit_rows, batch, rest)
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, D]
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
             qkv = layer.qkv(x)  # [N, (Hq+2Hkv) D]
@@ -238,6 +246,43 @@ class LlamaModel:
             h = h + layer.down(self.act(gate) * up)
         h = self._norm(h[logit_rows], self.final_norm)
         return self.lm_head(h)
+
+    def _forward_native(
+        self,
+        ops: Any,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kvs: Sequence[SequenceKV] | None,
+        spans: Sequence[tuple[int, int]],
+        logit_rows: torch.Tensor,
+        batch: DecodeBatch | None,
+        rest: Sequence[int],
+    ) -> torch.Tensor:
+        """``forward`` on kvtier's CPU kernels (float32): each residual add fused with the
+        next RMSNorm, RoPE in place on the q/k projections' output, SiLU·mul in one op.
+        ``h [N, H]`` (mutated: it is the residual stream); ``cos``/``sin [N, D]``."""
+        n = h.shape[0]
+        hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        eps = self.eps
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)  # [N, (Hq+2Hkv) D]
+            q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+            q, k, v = q.view(n, hq, dim), k.view(n, hkv, dim), v.view(n, hkv, dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+            ops.rope_(q, cos, sin)
+            ops.rope_(k, cos, sin)
+            q4, k4 = q[None].transpose(1, 2), k[None].transpose(1, 2)  # [1, H, N, D] views
+            out = self._attend(index, q4, k4, v[None].transpose(1, 2), kvs, spans, batch, rest)
+            x = ops.add_rms_norm(h, layer.o(out.view(n, hq * dim)), layer.post_norm, eps)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if index + 1 < len(self.layers):
+                x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
+            else:
+                h += down
+        return self.lm_head(ops.rms_norm(h[logit_rows], self.final_norm, eps))
 
     def _attend(
         self,

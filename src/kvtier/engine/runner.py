@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvtier import native
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.sequence import Piece, Sequence
 from kvtier.hf import PackedCache
@@ -147,11 +148,11 @@ class LlamaRunner:
         device: where its inputs go.
     """
 
-    name = "kvtier (llama family)"
-
     def __init__(self, model: Any, device: torch.device) -> None:
         self.llama = LlamaModel(model)
         self.device = device
+        kernels = native.status().line() if self.llama.ops is not None else "torch's ops"
+        self.name = f"kvtier (llama family; {kernels})"
 
     def run(self, work: Seq[Piece]) -> Sampled:
         """One forward over every piece's ids; every piece's sequence holds a cache.

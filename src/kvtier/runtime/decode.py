@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier import native
 from kvtier.attention import attend_flat
 from kvtier.runtime.seats import SeatSlab
 from kvtier.runtime.sequence import SequenceKV
@@ -65,6 +66,15 @@ class DecodeBatch:
         self.dense = seats == list(range(len(seats))) and list(rows) == list(range(len(seats)))
         # One tail position for every row: a slice, no index.
         self.same_tail: int | None = tails[0] if len(set(tails)) == 1 else None
+        _, _, heads, _, dim = slab.layout.chunk_shape
+        self.kv_heads, self.head_dim = heads, dim
+        self.query: torch.Tensor | None = None  # [span, Hkv, G, D], sized at the first layer
+        data = slab.data
+        self.ops = native.ops() if data.dtype == torch.float32 and data.is_cpu else None
+        if self.ops is not None:  # the kernel reads each row's own keys: no mask
+            self.lo = torch.tensor([(1 + r.start) * size for r in slot_ranges], dtype=torch.long)
+            self.hi = torch.tensor([(1 + r.stop) * size for r in slot_ranges], dtype=torch.long)
+            return
         # Keys of a seat's row: tail tokens 0..T-1, then pool slot j at (1 + j) T.
         last = torch.full((self.span,), -1, dtype=torch.long)  # idle seats see nothing
         lo = torch.zeros(self.span, dtype=torch.long)
@@ -77,9 +87,6 @@ class DecodeBatch:
         self.mask = _additive(visible, device)  # [span, 1, 1, (1 + n) T]
         # Every decoding seat sees its new token; idle seats' rows are discarded anyway.
         self.seen = torch.ones(1, 1, 1, dtype=torch.bool, device=device)
-        _, _, heads, _, dim = slab.layout.chunk_shape
-        self.kv_heads, self.head_dim = heads, dim
-        self.query: torch.Tensor | None = None  # [span, Hkv, G, D], sized at the first layer
 
     @classmethod
     def collect(
@@ -125,6 +132,23 @@ class DecodeBatch:
             scale: softmax scale.
             out: ``[1, N, Hq, D]`` the step's attention output; the rows' entries are set.
         """
+        if self.ops is not None:
+            self.ops.decode_attend(
+                self.slab.data,
+                layer_idx,
+                self.seat_idx,
+                self.tail_pos,
+                self.lo,
+                self.hi,
+                self.rows,
+                query[0],
+                keys[0],
+                values[0],
+                out[0],
+                scale,
+            )
+            self._finish(layer_idx)
+            return
         hkv, dim = self.kv_heads, self.head_dim
         hq = query.shape[1]
         span = self.span
@@ -162,6 +186,9 @@ class DecodeBatch:
         else:
             rows_out = result[self.seat_idx].reshape(-1, hq, dim)  # [R, Hq, D]
             out[0].index_copy_(0, self.rows, rows_out.to(out.dtype))
+        self._finish(layer_idx)
+
+    def _finish(self, layer_idx: int) -> None:
         if layer_idx == self.last_layer:  # the passes are complete (end_forward checks)
             for kv in self.kvs:
                 assert kv.plan is not None

@@ -1,0 +1,152 @@
+"""kvtier's hand-written CPU operators (``cpu_ops.cpp``), compiled once per machine.
+
+``ops()`` gives ``torch.ops.kvtier_cpu`` (decode attention over the seat slab, RMSNorm with
+and without a residual add, RoPE in place, SiLU·mul), or None where they cannot be had: the
+kernels are off (``KVTIER_NATIVE=0``), or the build failed (no C++ compiler or ``ninja``).
+Callers then take their torch path; the reason is logged once and kept in ``status()``.
+
+The first call compiles ``cpu_ops.cpp`` with ``torch.utils.cpp_extension`` (``-O3
+-march=native``, OpenMP; ~30 s on a 2-core CPU) into ``<kvtier cache>/native/<digest>``,
+where the digest covers the source, the compiler flags, torch's version and the CPU's
+model and flags; a later process on the same machine loads that library (well under a
+second) instead of compiling again. ``status()`` says which happened and how long it took.
+
+Thread-safety: ``ops()`` may be called from any thread; the build runs once, under a lock
+(and torch's file lock in the build folder across processes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.models import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+ENV_SWITCH = "KVTIER_NATIVE"
+"""``KVTIER_NATIVE=0`` turns the kernels off (every caller takes its torch path)."""
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """How the kernels were had in this process.
+
+    Attributes:
+        available: the operators are registered.
+        how: ``compiled``, ``cached`` (loaded a library built before), ``off`` or
+            ``failed``.
+        seconds: wall time of the build or load.
+        path: the built library (None when not built).
+        reason: why not available (None when available).
+    """
+
+    available: bool
+    how: str
+    seconds: float
+    path: Path | None
+    reason: str | None
+
+    def line(self) -> str:
+        """One line for a start-up log."""
+        if self.available:
+            return f"CPU kernels: {self.how} in {self.seconds:.1f} s ({self.path})"
+        return f"CPU kernels: not used ({self.reason}); torch's ops instead"
+
+
+_lock = threading.Lock()
+_status: NativeStatus | None = None
+
+
+def enabled() -> bool:
+    """False when ``KVTIER_NATIVE`` is ``0`` (read on every call)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def ops() -> Any | None:
+    """``torch.ops.kvtier_cpu`` once built or loaded; None when off or unavailable."""
+    if not enabled():
+        return None
+    status = load()
+    return torch.ops.kvtier_cpu if status.available else None
+
+
+def status() -> NativeStatus:
+    """What ``ops()`` found (building or loading the kernels if not done yet)."""
+    if not enabled():
+        return NativeStatus(False, "off", 0.0, None, f"{ENV_SWITCH}=0")
+    return load()
+
+
+def load() -> NativeStatus:
+    """Build (first time on this machine) or load the kernels, once per process."""
+    global _status
+    with _lock:
+        if _status is None:
+            _status = _build()
+        return _status
+
+
+def digest() -> str:
+    """What the built library depends on: the source, flags, torch and the CPU."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(repr((CFLAGS, LDFLAGS, torch.__version__, platform.machine())).encode())
+    h.update(_cpu_identity().encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (``-march=native`` compiles for them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build() -> NativeStatus:
+    start = time.perf_counter()
+    name = f"kvtier_cpu_{digest()}"
+    folder = cache_root() / "native" / name
+    library = folder / f"{name}.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+            how = "cached"
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+            log.warning("compiling kvtier's CPU kernels once for this machine (~30 s)")
+            from torch.utils.cpp_extension import load as build
+
+            build(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
+            how = "compiled"
+    except Exception as error:  # no compiler, no ninja, a failed build: torch's ops instead
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+        status = NativeStatus(False, "failed", time.perf_counter() - start, None, reason)
+        log.warning(status.line())
+        return status
+    status = NativeStatus(True, how, time.perf_counter() - start, library, None)
+    log.info(status.line())
+    return status

@@ -1,0 +1,330 @@
+// kvtier's hand-written CPU operators (float32), registered as torch.ops.kvtier_cpu.*.
+//
+// Built once per machine by kvtier.native (torch.utils.cpp_extension, cached on disk).
+// Every operator checks its inputs and raises a c10::Error (a Python RuntimeError) on a
+// mismatch; the Python side only calls them on float32 CPU tensors of the shapes below.
+// Threads: at::parallel_for, i.e. torch's own OpenMP pool and thread count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlockTokens = 256;  // keys per work item of the decode attention
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// exp(x) for x <= 88 (larger x: exp(88)), ~1 ulp (Cephes' expf), written so loops over it
+// vectorise; below -87.3 it returns exp(-87.3) ~ 1e-38 instead of a denormal or 0.
+#pragma omp declare simd
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return y * __builtin_bit_cast(float, bits);
+}
+
+struct Item {  // one decode row, one KV head, one run of at most kBlockTokens keys
+  int64_t row, head, start, len;
+};
+
+// decode_attend: the one-token attention of every decoding seat of one layer.
+//
+// slab [seats, L, 2, H, 1 + S, T, D] (contiguous): slot 0 of a seat's row is its tail,
+// slots 1..S its pool. For decode row r (seat seats[r], step row rows[r]) the new key and
+// value (new_k/new_v[h, rows[r]]) are first stored at tail position tail_pos[r]; the row
+// then attends to tail tokens 0..tail_pos[r] and to the pool range [lo[r], hi[r]) of the
+// same [(1 + S) T] key axis. query [Hq, N, D] and out [N, Hq, D] may be strided (the last
+// dim contiguous); out[rows[r]] is written, nothing else. Softmax in float32, exact: each
+// block's max, sum and weighted values, merged per row with the max of the maxima.
+void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seats,
+                   const at::Tensor& tail_pos, const at::Tensor& lo, const at::Tensor& hi,
+                   const at::Tensor& rows, const at::Tensor& query, const at::Tensor& new_k,
+                   const at::Tensor& new_v, const at::Tensor& out, double scale) {
+  TORCH_CHECK(slab.dim() == 7 && slab.is_contiguous() && slab.scalar_type() == at::kFloat,
+              "decode_attend: slab must be a contiguous float32 [seats, L, 2, H, 1+S, T, D]");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && new_k.dim() == 3 && new_v.dim() == 3,
+              "decode_attend: query [Hq, N, D], out [N, Hq, D], new_k/new_v [Hkv, N, D]");
+  for (const at::Tensor* t : {&query, &out, &new_k, &new_v}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(2) == 1,
+                "decode_attend: float32 tensors with a contiguous last dim");
+  }
+  for (const at::Tensor* t : {&seats, &tail_pos, &lo, &hi, &rows}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 &&
+                    t->size(0) == seats.size(0),
+                "decode_attend: seats, tail_pos, lo, hi, rows: contiguous int64 [R]");
+  }
+  const int64_t num_layers = slab.size(1), kv_heads = slab.size(3);
+  const int64_t keys = slab.size(4) * slab.size(5), dim = slab.size(6);
+  const int64_t q_heads = query.size(0), groups = q_heads / kv_heads;
+  TORCH_CHECK(layer >= 0 && layer < num_layers, "decode_attend: layer out of range");
+  TORCH_CHECK(q_heads == groups * kv_heads && query.size(2) == dim && out.size(2) == dim &&
+                  out.size(1) == q_heads && new_k.size(0) == kv_heads &&
+                  new_v.size(0) == kv_heads && new_k.size(2) == dim && new_v.size(2) == dim,
+              "decode_attend: head counts or head dim do not match the slab");
+  const int64_t num_rows = seats.size(0);
+  const int64_t* seat_p = seats.data_ptr<int64_t>();
+  const int64_t* tail_p = tail_pos.data_ptr<int64_t>();
+  const int64_t* lo_p = lo.data_ptr<int64_t>();
+  const int64_t* hi_p = hi.data_ptr<int64_t>();
+  const int64_t* row_p = rows.data_ptr<int64_t>();
+  const int64_t tokens = slab.size(5);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    TORCH_CHECK(seat_p[r] >= 0 && seat_p[r] < slab.size(0), "decode_attend: seat out of range");
+    TORCH_CHECK(tail_p[r] >= 0 && tail_p[r] < tokens, "decode_attend: tail position out of range");
+    TORCH_CHECK(lo_p[r] >= tokens && lo_p[r] <= hi_p[r] && hi_p[r] <= keys,
+                "decode_attend: pool range out of the seat's slots");
+    TORCH_CHECK(row_p[r] >= 0 && row_p[r] < query.size(1) && row_p[r] < out.size(0) &&
+                    row_p[r] < new_k.size(1),
+                "decode_attend: row out of range");
+  }
+  float* base = slab.data_ptr<float>();
+  // K of (seat, head): base + kv_offset(seat, 0, head); V: kv_offset(seat, 1, head).
+  auto kv_offset = [&](int64_t seat, int64_t kv, int64_t head) {
+    return (((seat * num_layers + layer) * 2 + kv) * kv_heads + head) * keys * dim;
+  };
+  // 1. the new tokens into their tails.
+  const float* nk = new_k.data_ptr<float>();
+  const float* nv = new_v.data_ptr<float>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t src_k = h * new_k.stride(0) + row_p[r] * new_k.stride(1);
+      const int64_t src_v = h * new_v.stride(0) + row_p[r] * new_v.stride(1);
+      std::copy_n(nk + src_k, dim, base + kv_offset(seat_p[r], 0, h) + tail_p[r] * dim);
+      std::copy_n(nv + src_v, dim, base + kv_offset(seat_p[r], 1, h) + tail_p[r] * dim);
+    }
+  }
+  // 2. work items: each row's visible keys in runs of at most kBlockTokens, per head.
+  std::vector<Item> items;
+  std::vector<int64_t> first(num_rows + 1);  // items of row r: first[r] .. first[r+1]-1
+  for (int64_t r = 0; r < num_rows; ++r) {
+    first[r] = static_cast<int64_t>(items.size());
+    const int64_t ranges[2][2] = {{0, tail_p[r] + 1}, {lo_p[r], hi_p[r]}};
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (const auto& range : ranges) {
+        for (int64_t s = range[0]; s < range[1]; s += kBlockTokens) {
+          items.push_back({r, h, s, std::min(kBlockTokens, range[1] - s)});
+        }
+      }
+    }
+  }
+  first[num_rows] = static_cast<int64_t>(items.size());
+  const int64_t num_items = first[num_rows];
+  const int64_t part = dim + 2;  // per item and query: max, sum, weighted values [D]
+  std::vector<float> partial(num_items * groups * part);
+  const float* qp = query.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(groups * dim), scores(groups * kBlockTokens);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src =
+            qp + (it.head * groups + g) * query.stride(0) + row_p[it.row] * query.stride(1);
+        std::copy_n(src, dim, q.data() + g * dim);
+      }
+      const float* k = base + kv_offset(seat_p[it.row], 0, it.head) + it.start * dim;
+      const float* v = base + kv_offset(seat_p[it.row], 1, it.head) + it.start * dim;
+      for (int64_t j = 0; j < it.len; ++j) {
+        for (int64_t g = 0; g < groups; ++g) {
+          scores[g * kBlockTokens + j] = dot(q.data() + g * dim, k + j * dim, dim) * fscale;
+        }
+      }
+      float* res = partial.data() + i * groups * part;
+      for (int64_t g = 0; g < groups; ++g) {
+        float* s = scores.data() + g * kBlockTokens;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < it.len; ++j) m = std::max(m, s[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < it.len; ++j) {
+          s[j] = exp_approx(s[j] - m);
+          sum += s[j];
+        }
+        res[g * part] = m;
+        res[g * part + 1] = sum;
+        std::fill_n(res + g * part + 2, dim, 0.f);
+      }
+      for (int64_t j = 0; j < it.len; ++j) {
+        const float* vj = v + j * dim;
+        for (int64_t g = 0; g < groups; ++g) {
+          float* acc = res + g * part + 2;
+          const float p = scores[g * kBlockTokens + j];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) acc[d] += p * vj[d];
+        }
+      }
+    }
+  });
+  // 3. merge each row's items per query head and write the output row.
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_rows * q_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t r = x / q_heads, hq = x % q_heads, h = hq / groups, g = hq % groups;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t i = first[r]; i < first[r + 1]; ++i) {
+        if (items[i].head == h) m = std::max(m, partial[(i * groups + g) * part]);
+      }
+      float* dst = op + row_p[r] * out.stride(0) + hq * out.stride(1);
+      std::fill_n(dst, dim, 0.f);
+      float total = 0.f;
+      for (int64_t i = first[r]; i < first[r + 1]; ++i) {
+        if (items[i].head != h) continue;
+        const float* res = partial.data() + (i * groups + g) * part;
+        const float w = exp_approx(res[0] - m);
+        total += w * res[1];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] += w * res[2 + d];
+      }
+      const float inv = 1.f / total;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+    }
+  });
+}
+
+// rms_norm: weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of x [..., H]
+// (contiguous float32); a new tensor. With residual: x += residual first (x is mutated),
+// then the norm of the sum.
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
+                         const at::Tensor* residual) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() >= 1,
+              "rms_norm: x must be a contiguous float32 tensor");
+  const int64_t width = x.size(-1);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.numel() == width,
+              "rms_norm: weight must be a contiguous float32 [", width, "]");
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
+                    residual->sizes() == x.sizes(),
+                "add_rms_norm: residual must be a contiguous float32 tensor shaped like x");
+  }
+  at::Tensor y = at::empty_like(x);
+  const int64_t n = x.numel() / width;
+  float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* rp = residual != nullptr ? residual->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = xp + i * width;
+      if (rp != nullptr) {
+        const float* add = rp + i * width;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) row[j] += add[j];
+      }
+      const float inv = 1.f / std::sqrt(dot(row, row, width) / width + feps);
+      float* dst = yp + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) dst[j] = wp[j] * (row[j] * inv);
+    }
+  });
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, weight, eps, nullptr);
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, weight, eps, &residual);
+}
+
+// rope_: rotates x [N, heads, D] in place (float32, last dim contiguous, any other
+// strides) by cos/sin [N, D] (contiguous): x * cos + rotate_half(x) * sin, where
+// rotate_half(x) = cat(-x[D/2:], x[:D/2]), transformers' convention.
+void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
+              "rope_: x must be float32 [N, heads, D] with a contiguous last dim");
+  const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                    t->size(0) == n && t->size(1) == dim,
+                "rope_: cos/sin must be contiguous float32 [N, D]");
+  }
+  TORCH_CHECK(dim % 2 == 0, "rope_: the head dim must be even");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* c = cp + i * dim;
+      const float* s = sp + i * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + i * s0 + h * s1;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = v[d], b = v[d + half];
+          v[d] = a * c[d] + (-b) * s[d];
+          v[d + half] = b * c[d + half] + a * s[d + half];
+        }
+      }
+    }
+  });
+}
+
+// silu_mul: silu(gate) * up of gate_up [N, 2I] (contiguous float32: gate, then up);
+// a new [N, I] tensor. silu(x) = x / (1 + exp(-x)).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() &&
+                  gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a contiguous float32 [N, 2I]");
+  const int64_t n = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({n, width}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* g = gp + i * 2 * width;
+      const float* u = g + width;
+      float* dst = yp + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) dst[j] = g[j] / (1.f + exp_approx(-g[j])) * u[j];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvtier_cpu, m) {
+  m.def(
+      "decode_attend(Tensor(a!) slab, int layer, Tensor seats, Tensor tail_pos, Tensor lo, "
+      "Tensor hi, Tensor rows, Tensor query, Tensor new_k, Tensor new_v, Tensor(b!) out, "
+      "float scale) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
+  m.impl("decode_attend", &decode_attend);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,112 @@
+"""kvtier's CPU kernels (``kvtier.native``) against torch's ops on the same inputs, their
+input checks, and the on-disk cache that spares a second process the compile."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtier import native
+
+pytestmark = pytest.mark.skipif(native.ops() is None, reason=native.status().line())
+
+
+def _ops():  # type: ignore[no-untyped-def]
+    ops = native.ops()
+    assert ops is not None
+    return ops
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_rms_norm_with_and_without_the_residual_add() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, res = torch.randn(9, 576, generator=gen), torch.randn(9, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    torch.testing.assert_close(_ops().rms_norm(x, w, 1e-5), _norm(x, w, 1e-5))
+    summed = x.clone()
+    y = _ops().add_rms_norm(summed, res, w, 1e-6)
+    assert torch.equal(summed, x + res)  # the residual stream is updated in place
+    torch.testing.assert_close(y, _norm(x + res, w, 1e-6))
+
+
+def test_rope_in_place_on_a_strided_view() -> None:
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 15 * 64, generator=gen)
+    cos, sin = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    k = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64)  # a column range: strided rows
+    half = torch.cat((-k[..., 32:], k[..., :32]), dim=-1)
+    want = k * cos[:, None] + half * sin[:, None]
+    untouched = qkv[:, 12 * 64 :].clone()
+    _ops().rope_(k, cos, sin)
+    torch.testing.assert_close(k, want)
+    assert torch.equal(qkv[:, 12 * 64 :], untouched)
+
+
+def test_silu_mul_over_the_whole_range() -> None:
+    gate_up = torch.linspace(-120, 120, 2 * 3 * 512).view(3, 1024)
+    want = F.silu(gate_up[:, :512]) * gate_up[:, 512:]
+    torch.testing.assert_close(_ops().silu_mul(gate_up), want)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(groups: int) -> None:
+    """Rows on seats 2 and 0 (not in seat order), one with a pool range longer than a
+    work block, one with none; out rows not named stay untouched."""
+    gen = torch.Generator().manual_seed(2)
+    seats_n, layers, heads, slots, tokens, dim = 3, 2, 2, 3, 256, 16
+    slab = torch.randn(seats_n, layers, 2, heads, 1 + slots, tokens, dim, generator=gen)
+    want_slab = slab.clone()
+    n = 4
+    query = torch.randn(heads * groups, n, dim, generator=gen)
+    new_k, new_v = torch.randn(2, heads, n, dim, generator=gen)
+    out = torch.full((n, heads * groups, dim), 7.0)
+    seats, rows = torch.tensor([2, 0]), torch.tensor([3, 1])
+    tail_pos = torch.tensor([0, 200])
+    lo, hi = torch.tensor([tokens, 2 * tokens]), torch.tensor([4 * tokens, 2 * tokens])
+    _ops().decode_attend(slab, 1, seats, tail_pos, lo, hi, rows, query, new_k, new_v, out, 0.3)
+    for r in range(2):
+        seat, row, pos = int(seats[r]), int(rows[r]), int(tail_pos[r])
+        want_slab[seat, 1, 0, :, 0, pos] = new_k[:, row]
+        want_slab[seat, 1, 1, :, 0, pos] = new_v[:, row]
+        keys = want_slab[seat, 1, 0].reshape(heads, -1, dim)
+        values = want_slab[seat, 1, 1].reshape(heads, -1, dim)
+        visible = torch.cat([torch.arange(pos + 1), torch.arange(int(lo[r]), int(hi[r]))])
+        q = query[:, row].reshape(heads, groups, dim)
+        ref = F.scaled_dot_product_attention(
+            q, keys[:, visible], values[:, visible], scale=0.3
+        )  # [Hkv, G, D]
+        torch.testing.assert_close(out[row], ref.reshape(heads * groups, dim))
+    assert torch.equal(slab, want_slab)
+    assert (out[[0, 2]] == 7.0).all()
+
+
+def test_bad_inputs_raise_a_clear_error() -> None:
+    slab = torch.zeros(1, 1, 2, 1, 2, 4, 8)
+    one = torch.zeros(1, dtype=torch.long)
+    q, kv, out = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="tail position out of range"):
+        _ops().decode_attend(slab, 0, one, one + 4, one + 4, one + 4, one, q, kv, kv, out, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        _ops().rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(4), 1e-5)
+
+
+def test_a_second_process_loads_the_cached_library() -> None:
+    assert native.status().how in ("compiled", "cached")
+    code = "from kvtier import native; s = native.status(); print(s.how, s.available)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.split() == ["cached", "True"]
+
+
+def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.ops() is None
+    assert native.status().how == "off"
