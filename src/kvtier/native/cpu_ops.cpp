@@ -10,8 +10,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -26,22 +30,184 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return acc;
 }
 
-// exp(x) for x <= 88 (larger x: exp(88)), ~1 ulp (Cephes' expf), written so loops over it
-// vectorise; below -87.3 it returns exp(-87.3) ~ 1e-38 instead of a denormal or 0.
-#pragma omp declare simd
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
+// exp(x), ~1 ulp (Cephes' expf polynomial), for x <= 88 (larger x: exp(88)); below -87.3
+// it returns exp(-87.3) ~ 1e-38 instead of a denormal or 0. In 16-lane GCC vectors (any
+// ISA; AVX-512 here) with a scalar twin for the remainder: the same arithmetic per lane.
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+template <typename F>
+inline F exp_poly(F x, F n) {  // exp(r) for r = x - n ln2 (the caller scales by 2^n)
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F y = r * 0.f + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.f;
+  return y * (r * r) + r + 1.f;
+}
+
+inline vfloat exp_vec(vfloat x) {
+  x = x < -87.3f ? vfloat{} - 87.3f : x;
+  x = x > 88.f ? vfloat{} + 88.f : x;
+  const vfloat t = x * 1.44269504088896341f + 0.5f;
+  vint ni = __builtin_convertvector(t, vint);  // toward zero; floor below
+  vfloat n = __builtin_convertvector(ni, vfloat);
+  const vint above = n > t;  // -1 where truncation rounded up
+  ni += above;
+  n = __builtin_convertvector(ni, vfloat);
+  const vint bits = (ni + 127) << 23;
+  return exp_poly(x, n) * reinterpret_cast<const vfloat&>(bits);
+}
+
+inline float exp_scalar(float x) {
+  x = std::min(std::max(x, -87.3f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return y * __builtin_bit_cast(float, bits);
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return exp_poly(x, n) * scale;
+}
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// s[j] = exp(s[j] - shift) for j < n; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float shift) {
+  vfloat acc{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vfloat e = exp_vec(load(s + j) - shift);
+    store(s + j, e);
+    acc += e;
+  }
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  for (; j < n; ++j) {
+    s[j] = exp_scalar(s[j] - shift);
+    sum += s[j];
+  }
+  return sum;
+}
+
+// dst[j] = silu(gate[j]) * up[j] = gate[j] / (1 + exp(-gate[j])) * up[j].
+void silu_mul_row(const float* gate, const float* up, float* dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vfloat g = load(gate + j);
+    store(dst + j, g / (1.f + exp_vec(-g)) * load(up + j));
+  }
+  for (; j < n; ++j) dst[j] = gate[j] / (1.f + exp_scalar(-gate[j])) * up[j];
+}
+
+// One work item: G queries q [G, D] over len keys k, v [len, D] (contiguous rows).
+// res [G, D + 2]: per query the max score, the sum of exp(score - max) and the weighted
+// values; scores [G, kBlockTokens] is scratch.
+void attend_block_any(int64_t groups, int64_t dim, const float* q, const float* k,
+                      const float* v, int64_t len, float scale, float* scores, float* res) {
+  const int64_t part = dim + 2;
+  for (int64_t j = 0; j < len; ++j) {
+    for (int64_t g = 0; g < groups; ++g) {
+      scores[g * kBlockTokens + j] = dot(q + g * dim, k + j * dim, dim) * scale;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* s = scores + g * kBlockTokens;
+    const float m = *std::max_element(s, s + len);
+    res[g * part] = m;
+    res[g * part + 1] = exp_shifted(s, len, m);
+    std::fill_n(res + g * part + 2, dim, 0.f);
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float* acc = res + g * part + 2;
+      const float p = scores[g * kBlockTokens + j];
+      const float* vj = v + j * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) acc[d] += p * vj[d];
+    }
+  }
+}
+
+inline float lane_sum(vfloat a) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(a));
+#else
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += a[l];
+  return sum;
+#endif
+}
+
+// attend_block_any for a head dim and group count known at compile time: the queries and
+// the G x D/16 output accumulators live in vector registers; K and V are read once.
+template <int D, int G>
+void attend_block_fixed(const float* q, const float* k, const float* v, int64_t len,
+                        float scale, float* scores, float* res) {
+  constexpr int C = D / kLanes;
+  vfloat qv[G][C];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) qv[g][c] = load(q + g * D + c * kLanes) * scale;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    vfloat kr[C];
+    for (int c = 0; c < C; ++c) kr[c] = load(k + j * D + c * kLanes);
+    for (int g = 0; g < G; ++g) {
+      vfloat acc = qv[g][0] * kr[0];
+      for (int c = 1; c < C; ++c) acc += qv[g][c] * kr[c];
+      scores[g * kBlockTokens + j] = lane_sum(acc);
+    }
+  }
+  float m[G];
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * kBlockTokens;
+    m[g] = *std::max_element(s, s + len);
+    res[g * (D + 2)] = m[g];
+    res[g * (D + 2) + 1] = exp_shifted(s, len, m[g]);
+  }
+  vfloat o[G][C] = {};
+  for (int64_t j = 0; j < len; ++j) {
+    vfloat vr[C];
+    for (int c = 0; c < C; ++c) vr[c] = load(v + j * D + c * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * kBlockTokens + j];
+      for (int c = 0; c < C; ++c) o[g][c] += p * vr[c];
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) store(res + g * (D + 2) + 2 + c * kLanes, o[g][c]);
+  }
+}
+
+template <int D>
+bool attend_block_dim(int64_t groups, const float* q, const float* k, const float* v,
+                      int64_t len, float scale, float* scores, float* res) {
+  switch (groups) {
+    case 1: attend_block_fixed<D, 1>(q, k, v, len, scale, scores, res); return true;
+    case 2: attend_block_fixed<D, 2>(q, k, v, len, scale, scores, res); return true;
+    case 3: attend_block_fixed<D, 3>(q, k, v, len, scale, scores, res); return true;
+    case 4: attend_block_fixed<D, 4>(q, k, v, len, scale, scores, res); return true;
+    case 5: attend_block_fixed<D, 5>(q, k, v, len, scale, scores, res); return true;
+    case 6: attend_block_fixed<D, 6>(q, k, v, len, scale, scores, res); return true;
+    case 7: attend_block_fixed<D, 7>(q, k, v, len, scale, scores, res); return true;
+    case 8: attend_block_fixed<D, 8>(q, k, v, len, scale, scores, res); return true;
+    default: return false;
+  }
+}
+
+void attend_block(int64_t groups, int64_t dim, const float* q, const float* k, const float* v,
+                  int64_t len, float scale, float* scores, float* res) {
+  const bool fixed =
+      (dim == 64 && attend_block_dim<64>(groups, q, k, v, len, scale, scores, res)) ||
+      (dim == 128 && attend_block_dim<128>(groups, q, k, v, len, scale, scores, res));
+  if (!fixed) attend_block_any(groups, dim, q, k, v, len, scale, scores, res);
 }
 
 struct Item {  // one decode row, one KV head, one run of at most kBlockTokens keys
@@ -145,35 +311,8 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
       }
       const float* k = base + kv_offset(seat_p[it.row], 0, it.head) + it.start * dim;
       const float* v = base + kv_offset(seat_p[it.row], 1, it.head) + it.start * dim;
-      for (int64_t j = 0; j < it.len; ++j) {
-        for (int64_t g = 0; g < groups; ++g) {
-          scores[g * kBlockTokens + j] = dot(q.data() + g * dim, k + j * dim, dim) * fscale;
-        }
-      }
       float* res = partial.data() + i * groups * part;
-      for (int64_t g = 0; g < groups; ++g) {
-        float* s = scores.data() + g * kBlockTokens;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < it.len; ++j) m = std::max(m, s[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < it.len; ++j) {
-          s[j] = exp_approx(s[j] - m);
-          sum += s[j];
-        }
-        res[g * part] = m;
-        res[g * part + 1] = sum;
-        std::fill_n(res + g * part + 2, dim, 0.f);
-      }
-      for (int64_t j = 0; j < it.len; ++j) {
-        const float* vj = v + j * dim;
-        for (int64_t g = 0; g < groups; ++g) {
-          float* acc = res + g * part + 2;
-          const float p = scores[g * kBlockTokens + j];
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) acc[d] += p * vj[d];
-        }
-      }
+      attend_block(groups, dim, q.data(), k, v, it.len, fscale, scores.data(), res);
     }
   });
   // 3. merge each row's items per query head and write the output row.
@@ -191,7 +330,7 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
       for (int64_t i = first[r]; i < first[r + 1]; ++i) {
         if (items[i].head != h) continue;
         const float* res = partial.data() + (i * groups + g) * part;
-        const float w = exp_approx(res[0] - m);
+        const float w = exp_scalar(res[0] - m);
         total += w * res[1];
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) dst[d] += w * res[2 + d];
@@ -296,13 +435,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor y = at::empty({n, width}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, 4, [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* g = gp + i * 2 * width;
-      const float* u = g + width;
-      float* dst = yp + i * width;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) dst[j] = g[j] / (1.f + exp_approx(-g[j])) * u[j];
+      silu_mul_row(gp + i * 2 * width, gp + i * 2 * width + width, yp + i * width, width);
     }
   });
   return y;
