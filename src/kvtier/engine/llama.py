@@ -38,26 +38,34 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 @dataclass(frozen=True)
 class _Linear:
-    """One projection: the weight ``[out, in]`` as ``F.linear`` takes it, or on the CPU
-    its oneDNN-packed copy (then ``pack`` is set and ``weight`` is None: the unpacked
-    copy is not kept).
+    """One projection: the weight ``[out, in]`` as ``F.linear`` takes it, and on the CPU
+    its oneDNN-packed copy ``pack``.
 
     oneDNN's matmul on a packed weight measured 1.3-3x faster than ``F.linear`` (MKL) on
     this model's projections on the 2-core AMD EPYC, at every row count from 1 to 1,024
     (docs/benchmarks.md, "the runner's matmuls"), so the CPU runner packs every weight once
-    at start.
+    at start. kvtier's own ``linear_rows`` kernel (``rows`` set) reads the plain weight
+    once for one or two rows and measured 12-22 % faster than oneDNN there, slower from
+    four rows on; the plain weight is then kept as well (else it is None once packed).
     """
 
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     pack: torch.Tensor | None
+    rows: Any | None = None  # kvtier's CPU kernels, for up to ROWS_KERNEL_MAX rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` → ``[N, out]``."""
+        if self.rows is not None and x.shape[0] <= ROWS_KERNEL_MAX and x.is_contiguous():
+            return self.rows.linear_rows(x, self.weight, self.bias)
         if self.pack is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
+
+
+ROWS_KERNEL_MAX = 2
+"""Most rows ``_Linear`` gives kvtier's ``linear_rows`` kernel (oneDNN above)."""
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -78,9 +86,13 @@ _PACK_ROWS = 16
 from 1 to 1,024 rows)."""
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any | None) -> _Linear:
+    """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None."""
     pack = _onednn_pack(weight)
-    return _Linear(weight if pack is None else None, bias, pack)
+    out_features, in_features = weight.shape
+    rows = ops if ops is not None and in_features % 16 == 0 and out_features % 4 == 0 else None
+    weight = weight.detach().contiguous()
+    return _Linear(weight if pack is None or rows is not None else None, bias, pack, rows)
 
 
 @dataclass(frozen=True)
@@ -130,15 +142,15 @@ class LlamaModel:
         self.eps = float(config.rms_norm_eps)
         self.embed = base.embed_tokens  # the module: [V, H] lookup
         self.final_norm = base.norm.weight
-        self.lm_head = _linear(model.lm_head.weight, None)  # [V, H]
-        self.rotary = base.rotary_emb
-        self.scale = float(base.layers[0].self_attn.scaling)
-        self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
-        self.layers = [self._fuse(layer) for layer in base.layers]
         weight = model.lm_head.weight
         cpu32 = weight.is_cpu and weight.dtype == torch.float32
         # kvtier's CPU kernels (float32), or None: torch's ops
         self.ops = native.ops() if cpu32 else None
+        self.lm_head = _linear(weight, None, self.ops)  # [V, H]
+        self.rotary = base.rotary_emb
+        self.scale = float(base.layers[0].self_attn.scaling)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
+        self.layers = [self._fuse(layer) for layer in base.layers]
 
     @staticmethod
     def why_not(model: Any) -> str | None:
@@ -175,15 +187,16 @@ class LlamaModel:
         k_norm = getattr(attn, "k_norm", None)
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        ops = self.ops
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv=_linear(qkv, _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])),
+            qkv=_linear(qkv, _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]), ops),
             q_norm=q_norm.weight if q_norm is not None else None,
             k_norm=k_norm.weight if k_norm is not None else None,
-            o=_linear(attn.o_proj.weight, attn.o_proj.bias),
+            o=_linear(attn.o_proj.weight, attn.o_proj.bias, ops),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias])),
-            down=_linear(mlp.down_proj.weight, mlp.down_proj.bias),
+            gate_up=_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias]), ops),
+            down=_linear(mlp.down_proj.weight, mlp.down_proj.bias, ops),
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

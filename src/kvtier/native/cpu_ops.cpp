@@ -22,6 +22,7 @@
 namespace {
 
 constexpr int64_t kBlockTokens = 256;  // keys per work item of the decode attention
+constexpr int64_t kSerialKeys = 4096;  // fewer keys in a call: one thread
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float acc = 0.f;
@@ -300,7 +301,11 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
   std::vector<float> partial(num_items * groups * part);
   const float* qp = query.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  // Threads only pay off past a few thousand keys (waking them costs tens of microseconds).
+  int64_t total_keys = 0;
+  for (const Item& it : items) total_keys += it.len;
+  const int64_t grain = total_keys < kSerialKeys ? std::max<int64_t>(num_items, 1) : 1;
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q(groups * dim), scores(groups * kBlockTokens);
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
@@ -317,7 +322,9 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
   });
   // 3. merge each row's items per query head and write the output row.
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_rows * q_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t merges = num_rows * q_heads;
+  at::parallel_for(0, merges, grain == 1 ? 1 : std::max<int64_t>(merges, 1),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {
       const int64_t r = x / q_heads, hq = x % q_heads, h = hq / groups, g = hq % groups;
       float m = -std::numeric_limits<float>::infinity();
@@ -443,6 +450,73 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+
+// linear_rows: y [M, O] = x [M, I] w[O, I]^T (+ bias [O]) for a few rows M, every weight
+// row read from memory once: output rows in blocks of 4 across the threads, input rows in
+// groups of up to 6 (the block's 4 weight rows stay in cache between groups); float32,
+// x, w and bias contiguous. I must be a multiple of 16 and O of 4.
+template <int R>
+inline void rows_block(const float* x, int64_t in, const float* w, float* y, int64_t out_n,
+                       const float* bias) {
+  vfloat acc[R][4] = {};
+  for (int64_t i = 0; i < in; i += kLanes) {
+    const vfloat w0 = load(w + i), w1 = load(w + in + i);
+    const vfloat w2 = load(w + 2 * in + i), w3 = load(w + 3 * in + i);
+    for (int r = 0; r < R; ++r) {
+      const vfloat xv = load(x + r * in + i);
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+      acc[r][2] += xv * w2;
+      acc[r][3] += xv * w3;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) {
+      y[r * out_n + c] = lane_sum(acc[r][c]) + (bias != nullptr ? bias[c] : 0.f);
+    }
+  }
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous() &&
+                  x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "linear_rows: x [M, I] and w [O, I] must be contiguous float32");
+  const int64_t rows = x.size(0), in = x.size(1), out_n = w.size(0);
+  TORCH_CHECK(w.size(1) == in && in % kLanes == 0 && out_n % 4 == 0,
+              "linear_rows: w must be [O, I] with I a multiple of 16 and O of 4");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat &&
+                    bias->numel() == out_n,
+                "linear_rows: bias must be a contiguous float32 [O]");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({rows, out_n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out_n / 4, 8, [=](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* wb = wp + 4 * b * in;
+      const float* bb = bp != nullptr ? bp + 4 * b : nullptr;
+      for (int64_t r = 0; r < rows; r += 6) {
+        const float* xr = xp + r * in;
+        float* yr = yp + r * out_n + 4 * b;
+        switch (std::min<int64_t>(6, rows - r)) {
+          case 1: rows_block<1>(xr, in, wb, yr, out_n, bb); break;
+          case 2: rows_block<2>(xr, in, wb, yr, out_n, bb); break;
+          case 3: rows_block<3>(xr, in, wb, yr, out_n, bb); break;
+          case 4: rows_block<4>(xr, in, wb, yr, out_n, bb); break;
+          case 5: rows_block<5>(xr, in, wb, yr, out_n, bb); break;
+          default: rows_block<6>(xr, in, wb, yr, out_n, bb); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvtier_cpu, m) {
@@ -454,6 +528,7 @@ TORCH_LIBRARY(kvtier_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
@@ -462,4 +537,5 @@ TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("linear_rows", &linear_rows);
 }
