@@ -110,3 +110,15 @@ def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     assert native.ops() is None
     assert native.status().how == "off"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 13])
+def test_linear_rows_equals_f_linear(rows: int) -> None:
+    """Row groups of 6 and their remainder; with and without a bias."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w, b = torch.randn(20, 96, generator=gen), torch.randn(20, generator=gen)
+    torch.testing.assert_close(_ops().linear_rows(x, w, None), F.linear(x, w))
+    torch.testing.assert_close(_ops().linear_rows(x, w, b), F.linear(x, w, b))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        _ops().linear_rows(torch.zeros(1, 90), torch.zeros(20, 90), None)

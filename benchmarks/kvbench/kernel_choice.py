@@ -7,7 +7,9 @@ through
 
 - ``F.linear`` on the ``[out, in]`` weights (transformers' path: MKL on the CPU),
 - ``x @ W`` on ``[in, out]`` copies (the runner's one-row path before oneDNN),
-- oneDNN's matmul on packed weights (``kvtier.engine.llama._Linear``, the runner's path),
+- oneDNN's matmul on packed weights (``kvtier.engine.llama._Linear``'s path from 3 rows),
+- kvtier's ``linear_rows`` CPU kernel on the ``[out, in]`` weights (``kvtier.native``;
+  the runner's path for 1 and 2 rows), where it is built,
 
 and do the runner's pointwise stages (RMSNorm, RoPE on q and k, SiLU·mul, residual add
 and norm) gain from ``torch.compile`` (inductor, dynamic shapes) over eager? Every case
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from kvbench.common import base_parser, machine_info, median, print_machine, write_json
 from kvbench.peers import read_gbps
+from kvtier import native
 from kvtier.engine.llama import LlamaModel, _Linear
 from kvtier.models import load_model
 
@@ -47,7 +50,8 @@ def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, _Line
 def matmul_cases(
     weights: list[tuple[torch.Tensor, _Linear]], rows: int
 ) -> dict[str, Callable[[], float]]:
-    """The three ways to run every projection once on ``rows`` rows; each returns seconds."""
+    """The ways to run every projection once on ``rows`` rows (kvtier's ``linear_rows``
+    where its CPU kernels are built); each returns seconds."""
     gen = torch.Generator().manual_seed(rows)
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w, _ in weights}
     transposed = [w.t().contiguous() for w, _ in weights]
@@ -70,9 +74,19 @@ def matmul_cases(
 
     def onednn() -> None:
         for w, packed in weights:
-            packed(inputs[w.shape[1]])
+            x = inputs[w.shape[1]]
+            torch.ops.mkldnn._linear_pointwise(x, packed.pack, packed.bias, "none", [], "")
 
-    return {"F.linear": timed(linear), "x @ W[in,out]": timed(in_out), "onednn": timed(onednn)}
+    cases = {"F.linear": timed(linear), "x @ W[in,out]": timed(in_out), "onednn": timed(onednn)}
+    ops = native.ops()
+    if ops is not None:
+
+        def rows_kernel() -> None:
+            for w, _ in weights:
+                ops.linear_rows(inputs[w.shape[1]], w, None)
+
+        cases["kvtier linear_rows"] = timed(rows_kernel)
+    return cases
 
 
 def pointwise(

@@ -1,4 +1,4 @@
-"""``kvtier bench kernel_choice`` measures every projection of the embedded model three ways."""
+"""``kvtier bench kernel_choice`` times every projection of the model each way it can run."""
 
 from __future__ import annotations
 
