@@ -53,7 +53,8 @@ def _bench(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvtier", description="tiered KV-cache engine")
-    parser.add_argument("command", choices=["run", "serve", "bench"], help="what to run")
+    commands = ["run", "serve", "bench", "calibrate"]
+    parser.add_argument("command", choices=commands, help="what to run")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.server.launch import main as serve_main
 
             return serve_main(rest)
+        if command == "calibrate":
+            from kvtier.calibrate import main as calibrate_main
+
+            return calibrate_main(rest)
         parser.parse_args(argv)  # prints the usage error for an unknown command
         return 2
     except EXPECTED_ERRORS as exc:
