@@ -67,9 +67,9 @@ def test_a_profile_is_found_on_this_machine_only(
 
 
 def test_the_fits() -> None:
-    quad = cal._fit([100, 200, 400], [0.1 + 0.01, 0.2 + 0.04, 0.4 + 0.16], ("a", "b"))
+    quad = cal.fit([100, 200, 400], [0.1 + 0.01, 0.2 + 0.04, 0.4 + 0.16], ("a", "b"))
     assert quad["a"] == pytest.approx(1e-3, rel=1e-6) and quad["b"] == pytest.approx(1e-6, rel=1e-6)
-    line = cal._fit([0, 10], [5.0, 7.0], ("c", "d"), intercept=True)
+    line = cal.fit([0, 10], [5.0, 7.0], ("c", "d"), intercept=True)
     assert line == pytest.approx({"c": 5.0, "d": 0.2})
 
 

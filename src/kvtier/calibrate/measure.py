@@ -1,0 +1,200 @@
+"""The measurements of ``kvtier calibrate``, each through the code path that uses the rate
+(see ``kvtier.calibrate``). Each function allocates its own buffers, runs on the calling
+thread (a ``Link`` measurement also on the links' worker threads) and restores torch's
+thread count; none mutates shared state except the scratch file it creates and removes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.attention import attend_flat
+from kvtier.kv import KVLayout
+from kvtier.tiers import disk_io
+from kvtier.transfer import CopyStep, Link
+
+MiB = 1 << 20
+
+
+def _best_s(run: Callable[[], object], repeats: int) -> float:
+    run()  # first touch and warm-up, untimed
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_link(
+    device: torch.device, step_bytes: int, total_bytes: int, repeats: int
+) -> dict[str, Any]:
+    """GB/s of the device⇄host link: host→device, device→host, and each way with both
+    busy (two links, as the engine has), through ``Link`` in ``step_bytes`` steps."""
+    steps = max(1, total_bytes // step_bytes)
+    elems = step_bytes // 4
+    pin = device.type == "cuda"
+    host = [torch.ones(elems, pin_memory=pin) for _ in range(steps)]
+    dev = [torch.ones(elems, device=device) for _ in range(steps)]
+    nbytes = steps * elems * 4
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            dst.copy_(src, non_blocking=True)
+
+        return run
+
+    def copies(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[CopyStep]:
+        return [CopyStep(elems * 4, range(0), copy(d, s)) for d, s in zip(dst, src, strict=True)]
+
+    with (
+        Link("host->device", nbytes, device=device) as up,
+        Link("device->host", nbytes, device=device) as down,
+    ):
+
+        def one(link: Link, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+            link.submit(copies(dst, src), 0).wait()
+
+        def both() -> None:
+            a = up.submit(copies(dev, host), 0)
+            b = down.submit(copies(host, dev), 0)
+            a.wait()
+            b.wait()
+
+        h2d = nbytes / _best_s(lambda: one(up, dev, host), repeats) / 1e9
+        d2h = nbytes / _best_s(lambda: one(down, host, dev), repeats) / 1e9
+        each = nbytes / _best_s(both, repeats) / 1e9
+    return {
+        "kind": "pcie/c2c (pinned host memory)" if pin else "memcpy (no accelerator)",
+        "h2d_gbps": h2d,
+        "d2h_gbps": d2h,
+        "each_way_both_busy_gbps": each,
+        "step_bytes": elems * 4,
+    }
+
+
+def measure_host_attention(
+    layout: KVLayout, groups: int, tokens: int, thread_counts: Sequence[int], repeats: int
+) -> dict[str, float]:
+    """GB/s of K and V read by one decode query (the ``groups`` query heads of every KV
+    head) over ``tokens`` host tokens of one layer, per torch thread count."""
+    _, _, heads, _, dim = layout.chunk_shape
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, heads, tokens, dim, generator=gen)
+    v = torch.randn(1, heads, tokens, dim, generator=gen)
+    q = torch.randn(1, heads, groups, dim, generator=gen)
+    nbytes = 2 * k.numel() * 4
+    before = torch.get_num_threads()
+    out: dict[str, float] = {}
+    try:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            seconds = _best_s(lambda: attend_flat(q, k, v, None, dim**-0.5), repeats)
+            out[str(threads)] = nbytes / seconds / 1e9
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def measure_disk(folder: Path, nbytes: int, repeats: int) -> dict[str, Any]:
+    """Sequential write (then ``fdatasync``) and read GB/s of a scratch file in ``folder``
+    (removed afterwards), 4 MiB at a time, with ``O_DIRECT`` where the filesystem has it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    block = 4 * MiB
+    blocks = max(1, nbytes // block)
+    staging = disk_io.Staging(block)
+    staging.array[:] = 7
+    fd_probe, name = tempfile.mkstemp(prefix="kvtier-calibrate-", dir=folder)
+    os.close(fd_probe)
+    try:
+        direct = disk_io.probe_writes(str(folder), want_direct=True)
+        flags = os.O_RDWR | (disk_io.O_DIRECT if direct else 0)
+
+        def write() -> None:
+            fd = os.open(name, flags)
+            try:
+                for i in range(blocks):
+                    disk_io.pwrite_all(fd, staging.view, i * block)
+                disk_io.datasync(fd)
+            finally:
+                os.close(fd)
+
+        def read() -> None:
+            fd = os.open(name, flags)
+            try:
+                for i in range(blocks):
+                    disk_io.pread_upto(fd, staging.view, i * block)
+            finally:
+                os.close(fd)
+
+        total = blocks * block
+        write_gbps = total / _best_s(write, repeats) / 1e9
+        read_gbps = total / _best_s(read, repeats) / 1e9
+    finally:
+        os.unlink(name)
+    return {
+        "folder": str(folder),
+        "write_gbps": write_gbps,
+        "read_gbps": read_gbps,
+        "direct": direct,
+        "note": None if direct else "no O_DIRECT here: reads may come from the page cache",
+    }
+
+
+def measure_compute(
+    engine: Any, prompt_tokens: Sequence[int], decode_tokens: int, vocab: int
+) -> dict[str, Any]:
+    """Prefill seconds and decode ms per token at each prompt length, through ``engine``
+    (one request at a time, fresh token ids so nothing is reused), with their fits."""
+    from kvtier.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)
+    gen = torch.Generator().manual_seed(1234)
+    prefill_s: list[float] = []
+    decode_ms: list[float] = []
+    engine.submit([1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True)).result()
+    for n in prompt_tokens:
+        ids = torch.randint(10, vocab, (n,), generator=gen).tolist()
+        start = time.perf_counter()
+        stamps = [time.perf_counter() for e in engine.submit(ids, params) if e.token_id is not None]
+        first = stamps[0] - start
+        prefill_s.append(first)
+        tokens = max(1, len(stamps) - 1)
+        decode_ms.append((stamps[-1] - stamps[0]) / tokens * 1e3)
+    contexts = [n + decode_tokens / 2 for n in prompt_tokens]
+    return {
+        "prefill": {
+            "prompt_tokens": list(prompt_tokens),
+            "seconds": prefill_s,
+            "fit": fit(prompt_tokens, prefill_s, ("s_per_token", "s_per_token_squared")),
+        },
+        "decode": {
+            "context_tokens": contexts,
+            "ms_per_token": decode_ms,
+            "fit": fit(contexts, decode_ms, ("ms", "ms_per_context_token"), intercept=True),
+        },
+    }
+
+
+def fit(
+    xs: Sequence[float], ys: Sequence[float], names: tuple[str, str], intercept: bool = False
+) -> dict[str, float]:
+    """Least squares, coefficients clipped at 0: ``y = a + b·x`` (intercept) or
+    ``y = a·x + b·x²``."""
+    x = np.asarray(xs, dtype=np.float64)
+    y = np.asarray(ys, dtype=np.float64)
+    basis = np.stack([np.ones_like(x), x] if intercept else [x, x * x], axis=1)
+    coef, *_ = np.linalg.lstsq(basis, y, rcond=None)
+    coef = np.maximum(coef, 0.0)
+    if not coef.any():  # degenerate (one point): the first term alone
+        coef[0] = float(y.mean() / (basis[:, 0].mean() or 1.0))
+    return {names[0]: float(coef[0]), names[1]: float(coef[1])}

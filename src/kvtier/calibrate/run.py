@@ -1,0 +1,213 @@
+"""One calibration run: ``Settings``, ``calibrate`` (every measurement, with a progress
+bar), ``report`` (the terminal lines) and ``main`` (the ``kvtier calibrate`` command)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvtier.calibrate.measure import (
+    MiB,
+    measure_compute,
+    measure_disk,
+    measure_host_attention,
+    measure_link,
+)
+from kvtier.calibrate.profile import PROFILE_VERSION, machine_identity, save_profile
+from kvtier.kv import KVLayout
+from kvtier.machine import machine_info, print_machine
+from kvtier.models import cache_root, load_model
+
+CHUNK_TOKENS = 256
+"""Chunk size of the engine ``kvtier calibrate`` measures compute on (the serving default)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``calibrate`` measures and how much.
+
+    Attributes:
+        link_bytes: bytes per link measurement (in chunk-sized steps).
+        attention_tokens: host KV tokens one decode query reads.
+        thread_counts: torch thread counts of the host-attention measurement.
+        disk_bytes: size of the disk scratch file.
+        disk_dir: where the scratch file goes (None: the kvtier cache folder).
+        prefill_tokens: prompt lengths of the compute measurement.
+        decode_tokens: tokens decoded after each prompt.
+        repeats: timed repetitions of each rate (the best is kept).
+    """
+
+    link_bytes: int = 256 * MiB
+    attention_tokens: int = 4096
+    thread_counts: tuple[int, ...] = ()
+    disk_bytes: int = 256 * MiB
+    disk_dir: Path | None = None
+    prefill_tokens: tuple[int, ...] = (256, 1024, 2048)
+    decode_tokens: int = 16
+    repeats: int = 3
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> Settings:
+        """A run of seconds, for tests and a first look."""
+        base = cls(
+            link_bytes=32 * MiB,
+            attention_tokens=1024,
+            disk_bytes=32 * MiB,
+            prefill_tokens=(64, 256),
+            decode_tokens=8,
+            repeats=2,
+        )
+        return cls(**{**base.__dict__, **overrides})
+
+
+def calibrate(
+    engine: Any, settings: Settings | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Measure every rate for ``engine``'s model on this machine; the profile (JSON-ready).
+
+    Args:
+        engine: a ``kvtier.engine.Engine`` whose device budget holds the longest prompt
+            plus its decode (the compute measurement runs there, one request at a time).
+        settings: how much to measure (default ``Settings()``).
+        progress: show a progress bar (stderr).
+    """
+    settings = settings or Settings()
+    started = time.perf_counter()
+    layout: KVLayout = engine.manager.layout
+    device = engine.device
+    threads = settings.thread_counts or tuple(range(1, (os.cpu_count() or 1) + 1))
+    folder = settings.disk_dir or cache_root() / "calibrate-scratch"
+    vocab = int(engine.vocab_size)
+    text = engine.model.config.get_text_config()
+    groups = int(text.num_attention_heads) // layout.num_kv_heads
+    stages: list[tuple[str, Callable[[], Any]]] = [
+        (
+            "link",
+            lambda: measure_link(
+                device, layout.chunk_nbytes, settings.link_bytes, settings.repeats
+            ),
+        ),
+        (
+            "host_attention_gbps",
+            lambda: measure_host_attention(
+                layout, groups, settings.attention_tokens, threads, settings.repeats
+            ),
+        ),
+        ("disk", lambda: measure_disk(Path(folder), settings.disk_bytes, settings.repeats)),
+        (
+            "compute",
+            lambda: measure_compute(engine, settings.prefill_tokens, settings.decode_tokens, vocab),
+        ),
+    ]
+    results: dict[str, Any] = {}
+    bar = tqdm(stages, desc="calibrate", unit="stage", disable=not progress)
+    for name, run in bar:
+        bar.set_postfix_str(name)
+        results[name] = run()
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    return {
+        "version": PROFILE_VERSION,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "seconds": time.perf_counter() - started,
+        "machine": {
+            **machine_info(),
+            "identity": machine_identity(),
+            "platform": platform.platform(),
+        },
+        "model": {
+            "id": engine.model_id,
+            "type": str(engine.model.config.model_type),
+            "weight_bytes": int(weights),
+            "kv_bytes_per_token": layout.token_nbytes,
+            "chunk_tokens": layout.chunk_tokens,
+            "num_layers": layout.num_layers,
+            "runner": engine.runner.name,
+        },
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()
+        },
+        **results,
+        "shared_tier": None,
+    }
+
+
+def report(profile: dict[str, Any]) -> str:
+    """A few lines of what was measured, for the terminal."""
+    link, disk, compute = profile["link"], profile["disk"], profile["compute"]
+    att = ", ".join(f"{t} thr {g:.1f}" for t, g in profile["host_attention_gbps"].items())
+    pre, dec = compute["prefill"]["fit"], compute["decode"]["fit"]
+    lines = [
+        f"link ({link['kind']}): h2d {link['h2d_gbps']:.1f} GB/s, d2h {link['d2h_gbps']:.1f} "
+        f"GB/s, each way with both busy {link['each_way_both_busy_gbps']:.1f} GB/s",
+        f"host attention (K+V read): {att} GB/s",
+        f"disk ({disk['folder']}, O_DIRECT {'yes' if disk['direct'] else 'no'}): write "
+        f"{disk['write_gbps']:.2f} GB/s, read {disk['read_gbps']:.2f} GB/s",
+        "prefill: "
+        + ", ".join(
+            f"{n} tok {s:.2f} s"
+            for n, s in zip(
+                compute["prefill"]["prompt_tokens"], compute["prefill"]["seconds"], strict=True
+            )
+        )
+        + f"  (fit: {pre['s_per_token'] * 1e3:.3f} ms/token + "
+        f"{pre['s_per_token_squared'] * 1e6:.4f} µs/token²)",
+        "decode: "
+        + ", ".join(
+            f"ctx {c:.0f} {m:.1f} ms"
+            for c, m in zip(
+                compute["decode"]["context_tokens"], compute["decode"]["ms_per_token"], strict=True
+            )
+        )
+        + f"  (fit: {dec['ms']:.1f} ms + {dec['ms_per_context_token'] * 1e3:.2f} µs/context token)",
+        "shared tier: not configured",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvtier calibrate``: measure, print, write the profile."""
+    parser = argparse.ArgumentParser(
+        prog="kvtier calibrate",
+        description="measure the rates kvtier's cost model needs, on this machine",
+    )
+    parser.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
+    parser.add_argument("--quick", action="store_true", help="a run of seconds, smaller sizes")
+    parser.add_argument("--out", default=None, help="profile path (default: the kvtier cache)")
+    parser.add_argument("--disk-dir", default=None, help="folder for the disk scratch file")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for compute")
+    args = parser.parse_args(argv)
+    from kvtier.config import ManagerConfig, TieredCacheConfig
+    from kvtier.engine import Engine, EngineConfig
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    settings = Settings.quick() if args.quick else Settings()
+    if args.disk_dir is not None:
+        settings = Settings(**{**settings.__dict__, "disk_dir": Path(args.disk_dir)})
+    print_machine(machine_info())
+    loaded = load_model(args.model)
+    layout = KVLayout.from_model_config(
+        loaded.model.config, next(loaded.model.parameters()).dtype, CHUNK_TOKENS
+    )
+    longest = max(settings.prefill_tokens) + settings.decode_tokens + 2
+    budget = (longest // layout.chunk_tokens + 2) * layout.chunk_nbytes
+    config = EngineConfig(
+        max_batch_size=1,
+        cache=TieredCacheConfig(device_budget_bytes=budget),
+        manager=ManagerConfig(chunk_tokens=CHUNK_TOKENS),
+    )
+    with Engine(loaded.model, loaded.tokenizer, config, model_id=loaded.model_id) as engine:
+        profile = calibrate(engine, settings)
+    path = save_profile(profile, args.out)
+    print(report(profile))
+    print(f"wrote {path} ({profile['seconds']:.0f} s)")
+    return 0
