@@ -144,7 +144,8 @@ def report(profile: dict[str, Any]) -> str:
     """A few lines of what was measured, for the terminal."""
     link, disk, compute = profile["link"], profile["disk"], profile["compute"]
     att = ", ".join(f"{t} thr {g:.1f}" for t, g in profile["host_attention_gbps"].items())
-    pre, dec = compute["prefill"]["fit"], compute["decode"]["fit"]
+    prefill, decode = compute["prefill"], compute["decode"]
+    pre, dec = prefill["fit"], decode["fit"]
     lines = [
         f"link ({link['kind']}): h2d {link['h2d_gbps']:.1f} GB/s, d2h {link['d2h_gbps']:.1f} "
         f"GB/s, each way with both busy {link['each_way_both_busy_gbps']:.1f} GB/s",
@@ -152,25 +153,20 @@ def report(profile: dict[str, Any]) -> str:
         f"disk ({disk['folder']}, O_DIRECT {'yes' if disk['direct'] else 'no'}): write "
         f"{disk['write_gbps']:.2f} GB/s, read {disk['read_gbps']:.2f} GB/s",
         "prefill: "
-        + ", ".join(
-            f"{n} tok {s:.2f} s"
-            for n, s in zip(
-                compute["prefill"]["prompt_tokens"], compute["prefill"]["seconds"], strict=True
-            )
-        )
+        + _pairs(prefill["prompt_tokens"], prefill["seconds"], "{:.0f} tok {:.2f} s")
         + f"  (fit: {pre['s_per_token'] * 1e3:.3f} ms/token + "
         f"{pre['s_per_token_squared'] * 1e6:.4f} µs/token²)",
         "decode: "
-        + ", ".join(
-            f"ctx {c:.0f} {m:.1f} ms"
-            for c, m in zip(
-                compute["decode"]["context_tokens"], compute["decode"]["ms_per_token"], strict=True
-            )
-        )
+        + _pairs(decode["context_tokens"], decode["ms_per_token"], "ctx {:.0f} {:.1f} ms")
         + f"  (fit: {dec['ms']:.1f} ms + {dec['ms_per_context_token'] * 1e3:.2f} µs/context token)",
         "shared tier: not configured",
     ]
     return "\n".join(lines)
+
+
+def _pairs(xs: list[float], ys: list[float], fmt: str) -> str:
+    """``fmt`` of each (x, y), comma-separated."""
+    return ", ".join(fmt.format(x, y) for x, y in zip(xs, ys, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
