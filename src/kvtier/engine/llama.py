@@ -7,14 +7,21 @@ module runs that shape directly on a step's tokens packed in one row ``[N]``, fr
 weights of the loaded transformers model (shared, not copied, except the fused ones):
 
 - q, k and v are one matmul (their weights concatenated once at start), gate and up one;
-  on the CPU every matmul runs on a oneDNN-packed copy of its weight (``_Linear``);
+  on the CPU every matmul runs on a oneDNN-packed copy of its weight, or for one or two
+  rows on kvtier's ``linear_rows`` kernel (``_Linear``);
 - RoPE's cos/sin come from the model's own rotary module, once per step for every layer;
-- the K/V of each sequence's span go to its ``kvtier.runtime.SequenceKV``, and attention
-  over every span is one ``kvtier.runtime.attend_packed`` call per layer.
+- the decode rows of seated sequences are attended with one call per layer
+  (``kvtier.runtime.DecodeBatch``); the other spans' K/V go to their
+  ``kvtier.runtime.SequenceKV`` and are attended with one ``attend_packed`` call per layer.
 
-The arithmetic is transformers' (the same ops in the same order, fp32 norms), so greedy
-tokens equal its modelling code's. ``LlamaModel.supports(model)`` says whether a model has
-this shape; anything else runs through transformers (``kvtier.engine.runner``).
+On a float32 CPU model with kvtier's CPU kernels (``kvtier.native``) each residual add is
+fused with the next RMSNorm, RoPE runs in place on the q/k projection output and SiLU·mul is
+one op (``_forward_native``); elsewhere the same steps run on torch's ops.
+
+The arithmetic is transformers' (the same ops in the same order, fp32 norms; the kernels
+differ only in summation order and in a ~1 ulp ``exp``), so greedy tokens equal its
+modelling code's (tested on both paths). ``LlamaModel.supports(model)`` says whether a model
+has this shape; anything else runs through transformers (``kvtier.engine.runner``).
 
 Thread-safety: one forward at a time (the engine's worker thread); mutates only the
 sequences' KV through the runtime.

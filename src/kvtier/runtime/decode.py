@@ -4,22 +4,27 @@ A decode row is one new token of a seated sequence (``kvtier.runtime.seats``) wh
 all on the device: its tail and its resident chunks, which lie end to end in its row of
 the slab (slot 0, then the pool's slots). ``DecodeBatch.collect`` picks those rows out of
 a step's passes once, before the layer loop, and precomputes what every layer shares: the
-seat and tail position of each row and one key mask over the slab's slots ``0 .. n`` (the
-tail's unfilled end and the slots a seat does not use are masked). Per layer, ``attend``
+seat, tail position and resident slot range of each row. Per layer, ``attend`` makes one
+call:
 
-1. stores every row's new K/V in its tail with one indexed write,
-2. attends the folded queries of all seats ``0 .. max seat`` to their tails and resident
-   chunks with one fused kernel call (one seat's chunks split into a batch of parts and
-   merged measured slower in the engine, at a 4K context, than this one call),
-3. writes each row's output into the step's output.
+- on a float32 CPU slab with kvtier's CPU kernels (``kvtier.native``),
+  ``kvtier_cpu::decode_attend``: it stores every row's new K/V in its tail, attends each
+  row to its own tail tokens and resident slots only (no mask, no other seat read) and
+  writes the rows' outputs;
+- otherwise torch's ops: one indexed write of the new K/V, then torch's fused kernel over
+  the folded queries of all seats ``0 .. max seat`` with one key mask over slots ``0 .. n``
+  (the tail's unfilled end and the slots a seat does not use are masked; seats between the
+  decoding ones are computed and discarded), then the rows' outputs written back. (One
+  seat's chunks split into a batch of parts and merged measured slower in the engine, at a
+  4K context, than this one call.)
 
-No Python in the layer loop grows with the number of rows. Seats between the decoding ones
-(idle, or prefilling in the same step) are computed and discarded. Rows that do not
-qualify (a prefill piece, streamed or padded KV, a sliding layer, no seat) keep the
-per-sequence path (``SequenceKV.write`` and ``attend_packed``).
+No Python in the layer loop grows with the number of rows. Rows that do not qualify (a
+prefill piece, streamed or padded KV, a sliding layer, no seat) keep the per-sequence path
+(``SequenceKV.write`` and ``attend_packed``).
 
 Mutates the rows' tails (the slab) and, at the last layer, their passes' written-layer
-count; owns its mask and query buffer. Built and used by the thread running the step.
+count; owns its index tensors, mask and query buffer. Built and used by the thread running
+the step.
 """
 
 from __future__ import annotations
