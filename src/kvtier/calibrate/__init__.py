@@ -7,8 +7,9 @@ it, on the machine that runs it:
 - ``link``: the device⇄host link (``kvtier.transfer.Link`` copying a chunk-sized buffer
   per step) each way alone and both ways at once. Without an accelerator the "device" is
   host memory, so the link is a memcpy (``kind`` says which).
-- ``host_attention_gbps``: one decode query over host-resident KV (``attend_flat``, the
-  kernel a host-side segment runs), bytes of K and V read per second, per thread count.
+- ``host_attention_gbps``: one decode query over host-resident KV of every layer, bytes of
+  K and V read per second, per thread count: torch's kernel (``attend_flat``, what a
+  host-side segment runs today) and kvtier's ``decode_attend`` where it is built.
 - ``disk``: sequential write (``fdatasync``) and read of a scratch file through the disk
   tier's I/O helpers, with ``O_DIRECT`` where the filesystem takes it (``direct``).
 - ``compute``: the model's prefill seconds for prompts of several lengths and its decode

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier import native
 from kvtier.attention import attend_flat
 from kvtier.kv import KVLayout
 from kvtier.tiers import disk_io
@@ -84,25 +85,50 @@ def measure_link(
 
 def measure_host_attention(
     layout: KVLayout, groups: int, tokens: int, thread_counts: Sequence[int], repeats: int
-) -> dict[str, float]:
+) -> dict[str, dict[str, float]]:
     """GB/s of K and V read by one decode query (the ``groups`` query heads of every KV
-    head) over ``tokens`` host tokens of one layer, per torch thread count."""
-    _, _, heads, _, dim = layout.chunk_shape
+    head) over ``tokens`` host tokens in every layer (so the bytes come from memory, not
+    the CPU's caches), per torch thread count: with torch's kernel (``attend_flat``, what a
+    host-side segment runs through ``kvtier.runtime.dispatch``) and, where it is built, with
+    kvtier's ``decode_attend`` over a one-seat slab (``kvtier.native``)."""
+    num_layers, _, heads, size, dim = layout.chunk_shape
+    slots = -(-tokens // size)
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(1, heads, tokens, dim, generator=gen)
-    v = torch.randn(1, heads, tokens, dim, generator=gen)
+    slab = torch.randn(1, num_layers, 2, heads, 1 + slots, size, dim, generator=gen)
+    keys = slab[0, :, 0, :, 1:].reshape(num_layers, 1, heads, slots * size, dim)
+    values = slab[0, :, 1, :, 1:].reshape(num_layers, 1, heads, slots * size, dim)
     q = torch.randn(1, heads, groups, dim, generator=gen)
-    nbytes = 2 * k.numel() * 4
+    nbytes = 2 * keys.numel() * 4
+    scale = dim**-0.5
+
+    def torch_pass() -> None:
+        for layer in range(num_layers):
+            attend_flat(q, keys[layer], values[layer], None, scale)
+
+    cases: dict[str, Callable[[], None]] = {"torch": torch_pass}
+    ops = native.ops()
+    if ops is not None:
+        one = torch.zeros(1, dtype=torch.long)
+        lo, hi = torch.tensor([size]), torch.tensor([(1 + slots) * size])
+        query = torch.randn(heads * groups, 1, dim, generator=gen)
+        new = torch.randn(heads, 1, dim, generator=gen)
+        out = torch.empty(1, heads * groups, dim)
+
+        def kernel_pass() -> None:
+            for layer in range(num_layers):
+                ops.decode_attend(slab, layer, one, one, lo, hi, one, query, new, new, out, scale)
+
+        cases["kvtier"] = kernel_pass
     before = torch.get_num_threads()
-    out: dict[str, float] = {}
+    rates: dict[str, dict[str, float]] = {name: {} for name in cases}
     try:
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            seconds = _best_s(lambda: attend_flat(q, k, v, None, dim**-0.5), repeats)
-            out[str(threads)] = nbytes / seconds / 1e9
+            for name, run in cases.items():
+                rates[name][str(threads)] = nbytes / _best_s(run, repeats) / 1e9
     finally:
         torch.set_num_threads(before)
-    return out
+    return rates
 
 
 def measure_disk(folder: Path, nbytes: int, repeats: int) -> dict[str, Any]:

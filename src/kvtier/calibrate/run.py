@@ -143,7 +143,10 @@ def calibrate(
 def report(profile: dict[str, Any]) -> str:
     """A few lines of what was measured, for the terminal."""
     link, disk, compute = profile["link"], profile["disk"], profile["compute"]
-    att = ", ".join(f"{t} thr {g:.1f}" for t, g in profile["host_attention_gbps"].items())
+    att = "; ".join(
+        f"{kernel}: " + ", ".join(f"{t} thr {g:.1f}" for t, g in by_threads.items())
+        for kernel, by_threads in profile["host_attention_gbps"].items()
+    )
     prefill, decode = compute["prefill"], compute["decode"]
     pre, dec = prefill["fit"], decode["fit"]
     lines = [
