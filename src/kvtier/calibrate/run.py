@@ -4,6 +4,7 @@ bar), ``report`` (the terminal lines) and ``main`` (the ``kvtier calibrate`` com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import time
@@ -66,7 +67,7 @@ class Settings:
             decode_tokens=8,
             repeats=2,
         )
-        return cls(**{**base.__dict__, **overrides})
+        return dataclasses.replace(base, **overrides)
 
 
 def calibrate(
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     settings = Settings.quick() if args.quick else Settings()
     if args.disk_dir is not None:
-        settings = Settings(**{**settings.__dict__, "disk_dir": Path(args.disk_dir)})
+        settings = dataclasses.replace(settings, disk_dir=Path(args.disk_dir))
     print_machine(machine_info())
     loaded = load_model(args.model)
     layout = KVLayout.from_model_config(

@@ -51,7 +51,7 @@ class _Linear:
     oneDNN's matmul on a packed weight measured 1.3-3x faster than ``F.linear`` (MKL) on
     this model's projections on the 2-core AMD EPYC, at every row count from 1 to 1,024
     (docs/benchmarks.md, "the runner's matmuls"), so the CPU runner packs every weight once
-    at start. kvtier's own ``linear_rows`` kernel (``rows`` set) reads the plain weight
+    at start. kvtier's own ``linear_rows`` kernel (``kernels`` set) reads the plain weight
     once for one or two rows and measured 12-22 % faster than oneDNN there, slower from
     four rows on; the plain weight is then kept as well (else it is None once packed).
     """
@@ -59,12 +59,12 @@ class _Linear:
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     pack: torch.Tensor | None
-    rows: Any | None = None  # kvtier's CPU kernels, for up to ROWS_KERNEL_MAX rows
+    kernels: Any | None = None  # kvtier's CPU kernels, for up to ROWS_KERNEL_MAX rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` → ``[N, out]``."""
-        if self.rows is not None and x.shape[0] <= ROWS_KERNEL_MAX and x.is_contiguous():
-            return self.rows.linear_rows(x, self.weight, self.bias)
+        if self.kernels is not None and x.shape[0] <= ROWS_KERNEL_MAX and x.is_contiguous():
+            return self.kernels.linear_rows(x, self.weight, self.bias)
         if self.pack is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
         assert self.weight is not None
@@ -97,9 +97,11 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any | None) ->
     """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None."""
     pack = _onednn_pack(weight)
     out_features, in_features = weight.shape
-    rows = ops if ops is not None and in_features % 16 == 0 and out_features % 4 == 0 else None
+    fits = in_features % 16 == 0 and out_features % 4 == 0  # linear_rows' shape rule
+    kernels = ops if ops is not None and fits else None
     weight = weight.detach().contiguous()
-    return _Linear(weight if pack is None or rows is not None else None, bias, pack, rows)
+    keep = pack is None or kernels is not None
+    return _Linear(weight if keep else None, bias, pack, kernels)
 
 
 @dataclass(frozen=True)

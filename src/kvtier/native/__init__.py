@@ -146,7 +146,8 @@ def _build() -> NativeStatus:
             )
             how = "compiled"
     except Exception as error:  # no compiler, no ninja, a failed build: torch's ops instead
-        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+        last = (str(error).strip().splitlines() or [""])[-1]
+        reason = f"{type(error).__name__}: {last}"
         status = NativeStatus(False, "failed", time.perf_counter() - start, None, reason)
         log.warning(status.line())
         return status
