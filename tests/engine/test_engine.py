@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,21 @@ def test_close_without_drain_cancels(model: Any, tokenizer: Any) -> None:
     engine.close(drain=False)
     reasons = [h.result().finish_reason for h in handles]
     assert reasons.count("cancelled") >= 2 and set(reasons) <= {"cancelled", "length"}
+
+
+def test_the_engine_freezes_what_lives_at_start_out_of_the_collector(
+    model: Any, tokenizer: Any
+) -> None:
+    gc.unfreeze()
+    engine = Engine(model, tokenizer, engine_config())
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the model's modules and the tiers, at least
+        done = engine.submit("Hi", SamplingParams(max_tokens=2, temperature=0)).result()
+        assert len(done.token_ids) == 2  # serves as before
+    finally:
+        engine.close()
+        gc.unfreeze()
 
 
 def test_llm_generates_in_order_with_a_small_queue(model: Any, tokenizer: Any) -> None:
