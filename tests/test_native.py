@@ -89,6 +89,32 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(groups: i
     assert (out[[0, 2]] == 7.0).all()
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "earlier", "new"),
+    [(9, 3, 64, 0, 256), (9, 3, 64, 300, 70), (8, 2, 128, 64, 17), (4, 4, 64, 5, 1)],
+)
+def test_attend_prefill_equals_masked_sdpa_on_strided_views(
+    heads: int, kv_heads: int, dim: int, earlier: int, new: int
+) -> None:
+    """Earlier keys all visible, the pass's own keys causal; the query and the output are
+    views with a row stride (as the runner passes them)."""
+    torch.manual_seed(0)
+    width = (heads + 2 * kv_heads) * dim
+    q = torch.randn(new, width)[:, : heads * dim].view(new, heads, dim).transpose(0, 1)
+    k_old, v_old = torch.randn(2, kv_heads, earlier + 3, dim)[:, :, :earlier]
+    k_new, v_new = torch.randn(2, kv_heads, new, dim)
+    out = torch.full((new + 1, heads + 1, dim), 7.0)
+    _ops().attend_prefill(q, k_old, v_old, k_new, v_new, out[:new, :heads], dim**-0.5)
+    mask = torch.ones(new, earlier + new, dtype=torch.bool)
+    mask[:, earlier:] = torch.ones(new, new, dtype=torch.bool).tril()
+    k, v = torch.cat([k_old, k_new], 1), torch.cat([v_old, v_new], 1)
+    want = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=dim**-0.5, enable_gqa=True
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(out[:new, :heads], want, atol=2e-6, rtol=1e-5)
+    assert (out[new:] == 7.0).all() and (out[:, heads:] == 7.0).all()  # nothing else written
+
+
 def test_bad_inputs_raise_a_clear_error() -> None:
     slab = torch.zeros(1, 1, 2, 1, 2, 4, 8)
     one = torch.zeros(1, dtype=torch.long)
@@ -97,6 +123,12 @@ def test_bad_inputs_raise_a_clear_error() -> None:
         _ops().decode_attend(slab, 0, one, one + 4, one + 4, one + 4, one, q, kv, kv, out, 1.0)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         _ops().rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(4), 1e-5)
+    q, kv, out = torch.zeros(3, 4, 64), torch.zeros(2, 4, 64), torch.zeros(4, 3, 64)
+    with pytest.raises(RuntimeError, match="not a multiple of KV heads"):
+        _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)
+    q, kv, out = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(4, 2, 32)
+    with pytest.raises(RuntimeError, match="head dim 32 is not 64 or 128"):
+        _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)
 
 
 def test_a_cold_folder_compiles_and_the_next_process_loads_it(tmp_path: Path) -> None:

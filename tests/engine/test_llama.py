@@ -29,6 +29,12 @@ FAMILY: dict[str, dict[str, Any]] = {
         "sliding_window": 24,
         "max_window_layers": 1,
     },
+    # head dims kvtier's fused prefill attention is compiled for (the others take segments)
+    "llama (head dim 64)": {"head_dim": 64},
+    "qwen2 (head dim 128, 4 query heads per KV head)": {
+        "head_dim": 128,
+        "num_attention_heads": 8,
+    },
     "llama (bias, rope scaling)": {
         "attention_bias": True,
         "mlp_bias": True,

@@ -1,14 +1,16 @@
-"""kvtier's hand-written CPU operators (``cpu_ops.cpp``), compiled once per machine.
+"""kvtier's hand-written CPU operators (``cpu_ops.cpp``, ``attend_prefill.cpp``; shared
+vector helpers in ``vec.h``), compiled once per machine.
 
-``ops()`` gives ``torch.ops.kvtier_cpu`` (decode attention over the seat slab, RMSNorm with
-and without a residual add, RoPE in place, SiLU·mul), or None where they cannot be had: the
+``ops()`` gives ``torch.ops.kvtier_cpu`` (decode attention over the seat slab, a prefill
+pass's causal attention, RMSNorm with and without a residual add, RoPE in place, SiLU·mul,
+a few-row matmul), or None where they cannot be had: the
 kernels are off (``KVTIER_NATIVE=0``), or the build failed (no C++ compiler or ``ninja``).
 Callers then take their torch path; the reason is logged once and kept in ``status()``.
 
-The first call compiles ``cpu_ops.cpp`` with ``torch.utils.cpp_extension`` (``-O3
+The first call compiles the sources with ``torch.utils.cpp_extension`` (``-O3
 -march=native``, OpenMP; about 11 s on the 2-core AMD EPYC) into ``<kvtier
 cache>/native/<digest>`` (``KVTIER_NATIVE_DIR`` moves the folder), where the digest covers
-the source, the compiler flags, torch's version and the CPU's model and flags; a later
+the sources, the compiler flags, torch's version and the CPU's model and flags; a later
 process on the same machine loads that library (well under a second) instead of compiling
 again. ``status()`` says which happened and how long it took.
 
@@ -34,7 +36,9 @@ from kvtier.models import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "cpu_ops.cpp", _HERE / "attend_prefill.cpp")
+HEADERS = (_HERE / "vec.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 ENV_SWITCH = "KVTIER_NATIVE"
@@ -105,7 +109,8 @@ def load() -> NativeStatus:
 def digest() -> str:
     """What the built library depends on: the source, flags, torch and the CPU."""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.read_bytes())
     h.update(repr((CFLAGS, LDFLAGS, torch.__version__, platform.machine())).encode())
     h.update(_cpu_identity().encode())
     return h.hexdigest()[:16]
@@ -137,7 +142,7 @@ def _build() -> NativeStatus:
 
             build(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(path) for path in SOURCES],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(folder),

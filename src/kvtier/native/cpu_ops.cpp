@@ -10,16 +10,17 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
+
+using namespace kvtier_vec;
 
 constexpr int64_t kBlockTokens = 256;  // keys per work item of the decode attention
 constexpr int64_t kSerialKeys = 4096;  // fewer keys in a call: one thread
@@ -29,73 +30,6 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
-}
-
-// exp(x), ~1 ulp (Cephes' expf polynomial), for x <= 88 (larger x: exp(88)); below -87.3
-// it returns exp(-87.3) ~ 1e-38 instead of a denormal or 0. In 16-lane GCC vectors (any
-// ISA; AVX-512 here) with a scalar twin for the remainder: the same arithmetic per lane.
-typedef float vfloat __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-template <typename F>
-inline F exp_poly(F x, F n) {  // exp(r) for r = x - n ln2 (the caller scales by 2^n)
-  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  F y = r * 0.f + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  return y * (r * r) + r + 1.f;
-}
-
-inline vfloat exp_vec(vfloat x) {
-  x = x < -87.3f ? vfloat{} - 87.3f : x;
-  x = x > 88.f ? vfloat{} + 88.f : x;
-  const vfloat t = x * 1.44269504088896341f + 0.5f;
-  vint ni = __builtin_convertvector(t, vint);  // toward zero; floor below
-  vfloat n = __builtin_convertvector(ni, vfloat);
-  const vint above = n > t;  // -1 where truncation rounded up
-  ni += above;
-  n = __builtin_convertvector(ni, vfloat);
-  const vint bits = (ni + 127) << 23;
-  return exp_poly(x, n) * reinterpret_cast<const vfloat&>(bits);
-}
-
-inline float exp_scalar(float x) {
-  x = std::min(std::max(x, -87.3f), 88.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return exp_poly(x, n) * scale;
-}
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-
-// s[j] = exp(s[j] - shift) for j < n; returns their sum.
-inline float exp_shifted(float* s, int64_t n, float shift) {
-  vfloat acc{};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const vfloat e = exp_vec(load(s + j) - shift);
-    store(s + j, e);
-    acc += e;
-  }
-  float sum = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
-  for (; j < n; ++j) {
-    s[j] = exp_scalar(s[j] - shift);
-    sum += s[j];
-  }
-  return sum;
 }
 
 // dst[j] = silu(gate[j]) * up[j] = gate[j] / (1 + exp(-gate[j])) * up[j].
@@ -137,15 +71,6 @@ void attend_block_any(int64_t groups, int64_t dim, const float* q, const float* 
   }
 }
 
-inline float lane_sum(vfloat a) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(a));
-#else
-  float sum = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += a[l];
-  return sum;
-#endif
-}
 
 // attend_block_any for a head dim and group count known at compile time: the queries and
 // the G x D/16 output accumulators live in vector registers; K and V are read once.
@@ -529,6 +454,9 @@ TORCH_LIBRARY(kvtier_cpu, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def(  // implemented in attend_prefill.cpp
+      "attend_prefill(Tensor query, Tensor k_old, Tensor v_old, Tensor k_new, Tensor v_new, "
+      "Tensor(a!) out, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {

@@ -1,0 +1,102 @@
+// Vector helpers shared by kvtier's CPU operators (cpu_ops.cpp, attend_prefill.cpp):
+// 16-lane GCC vector types (AVX-512 here; any ISA compiles), loads/stores, and a
+// vectorised exp with its scalar twin. Header-only; everything is inline.
+#pragma once
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvtier_vec {
+
+// exp(x), ~1 ulp (Cephes' expf polynomial), for x <= 88 (larger x: exp(88)); below -87.3
+// it returns exp(-87.3) ~ 1e-38 instead of a denormal or 0. In 16-lane GCC vectors (any
+// ISA; AVX-512 here) with a scalar twin for the remainder: the same arithmetic per lane.
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+template <typename F>
+inline F exp_poly(F x, F n) {  // exp(r) for r = x - n ln2 (the caller scales by 2^n)
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F y = r * 0.f + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  return y * (r * r) + r + 1.f;
+}
+
+inline vfloat exp_vec(vfloat x) {
+  x = x < -87.3f ? vfloat{} - 87.3f : x;
+  x = x > 88.f ? vfloat{} + 88.f : x;
+  const vfloat t = x * 1.44269504088896341f + 0.5f;
+  vint ni = __builtin_convertvector(t, vint);  // toward zero; floor below
+  vfloat n = __builtin_convertvector(ni, vfloat);
+  const vint above = n > t;  // -1 where truncation rounded up
+  ni += above;
+  n = __builtin_convertvector(ni, vfloat);
+  const vint bits = (ni + 127) << 23;
+  return exp_poly(x, n) * reinterpret_cast<const vfloat&>(bits);
+}
+
+inline float exp_scalar(float x) {
+  x = std::min(std::max(x, -87.3f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return exp_poly(x, n) * scale;
+}
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// s[j] = exp(s[j] - shift) for j < n; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float shift) {
+  vfloat acc{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vfloat e = exp_vec(load(s + j) - shift);
+    store(s + j, e);
+    acc += e;
+  }
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  for (; j < n; ++j) {
+    s[j] = exp_scalar(s[j] - shift);
+    sum += s[j];
+  }
+  return sum;
+}
+
+inline float lane_sum(vfloat a) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(a));
+#else
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += a[l];
+  return sum;
+#endif
+}
+
+inline float lane_max(vfloat a) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512&>(a));
+#else
+  float best = a[0];
+  for (int64_t l = 1; l < kLanes; ++l) best = a[l] > best ? a[l] : best;
+  return best;
+#endif
+}
+
+}  // namespace kvtier_vec
