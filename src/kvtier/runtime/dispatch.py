@@ -62,6 +62,13 @@ def attend_packed(
 _FUSED_HEAD_DIMS = (64, 128)
 """Head dims kvtier's ``attend_prefill`` kernel is compiled for."""
 
+FUSED_MAX_TOKENS = 512
+FUSED_MAX_EARLIER_PER_TOKEN = 2
+"""The fused kernel takes passes of at most 512 tokens with at most 2 earlier keys per new
+token: where it measured faster. Beyond, torch's path is faster: its unmasked block over
+the earlier keys runs as MKL matmuls at 100-128 GFLOP/s, the kernel at 85-90 (a 2,048-token
+pass over 2,048 earlier keys: 115 against 167 ms)."""
+
 
 def _fused_prefill(
     view: LayerKV, query: torch.Tensor, scale: float, out: torch.Tensor | None
@@ -73,8 +80,10 @@ def _fused_prefill(
     ``out`` None: only say whether it applies. Else False, nothing written.
 
     Measured against the segments-and-merge path on SmolLM2's shape (9 query heads over
-    3, D 64; 2-core AMD EPYC, interleaved): 0.9-1.0 against 1.1-2.1 ms for a 256-token
-    pass with no earlier keys, 3.8-4.0 against 5.2-7.8 ms for 512 (docs/benchmarks.md).
+    3, D 64; 2-core AMD EPYC, interleaved; docs/benchmarks.md): a 256-token pass with no
+    earlier keys 0.9-1.0 against 1.1-2.1 ms, over 512 earlier keys 4.5-5.2 against 6.5-7.2;
+    a 512-token pass with none 3.8-4.0 against 5.2-7.8 ms. Larger passes, or more earlier
+    keys, take the segments (``FUSED_MAX_TOKENS``).
     """
     sq, dim = query.shape[2], query.shape[3]
     if (
@@ -95,6 +104,9 @@ def _fused_prefill(
         return False
     if view.resident_key is not None and earlier > 0:
         return False  # three sources; the segments path takes it
+    resident = 0 if view.resident_key is None else view.resident_key.shape[1]
+    if sq > FUSED_MAX_TOKENS or resident + earlier > FUSED_MAX_EARLIER_PER_TOKEN * sq:
+        return False
     ops = native.ops()
     if ops is None:
         return False
