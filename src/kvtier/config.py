@@ -200,6 +200,10 @@ class TieredCacheConfig:
             kernel tiles the queries itself and takes them in one block).
         link: the device⇄host link (throttle it to reproduce PCIe on a CPU-only machine).
         device: where the device tier lives; None picks CUDA when available, else the CPU.
+        attend_on_host: attend the chunks that are not resident in the host pool, where
+            they lie (the query goes to the host; the output and its log-sum-exp come back
+            and merge exactly), instead of streaming them over the link. One fixed strategy
+            for every pass; the cost model's per-range choice is to come.
     """
 
     device_budget_bytes: int = 1 * GiB
@@ -211,6 +215,7 @@ class TieredCacheConfig:
     page_tokens: int = 16
     link: LinkConfig = field(default_factory=LinkConfig)
     device: str | None = None
+    attend_on_host: bool = False
 
     def __post_init__(self) -> None:
         check_int("device_budget_bytes", self.device_budget_bytes)

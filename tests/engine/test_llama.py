@@ -8,11 +8,13 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 
 from kvtier import native
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner, ModelRunner, make_runner
+from kvtier.kv.layout import KVLayout
 from kvtier.models import random_model
 from tests.engine.tiny import CHUNK, engine_config, reference_tokens
 
@@ -77,6 +79,26 @@ def test_batched_greedy_tokens_equal_transformers(
     assert [o.token_ids for o in outs] == expected
     assert again.reused_tokens == ((len(turn) - 1) // CHUNK) * CHUNK
     assert again.token_ids == reference_tokens(model, turn, 12)
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["streamed", "on-host"])
+def test_contexts_past_the_device_budget_stay_exact(on_host: bool, tokenizer: Any) -> None:
+    """3 chunks of device budget per sequence, prompts of up to 14 chunks: the rest is
+    streamed over the link, or attended in the host pool where it lies."""
+    model = family_model("llama (head dim 64)", tokenizer)
+    base = engine_config()
+    chunk_nbytes = KVLayout.from_model_config(model.config, torch.float32, CHUNK).chunk_nbytes
+    cache = dataclasses.replace(
+        base.cache, device_budget_bytes=3 * chunk_nbytes, attend_on_host=on_host
+    )
+    config = dataclasses.replace(base, runner="kvtier", cache=cache)
+    long_prompts = [list(range(300 + 7 * i, 300 + 7 * i + n)) for i, n in enumerate((150, 230))]
+    with Engine(model, tokenizer, config) as engine:
+        outs = [h.result() for h in [engine.submit(p, GREEDY) for p in long_prompts]]
+        decided = engine.stats().cache.decided_chunks
+    assert [o.token_ids for o in outs] == [reference_tokens(model, p, 12) for p in long_prompts]
+    assert decided.get("host" if on_host else "stream", 0) > 0
+    assert decided.get("stream" if on_host else "host", 0) == 0
 
 
 def test_preemption_keeps_the_tokens(tokenizer: Any) -> None:

@@ -7,6 +7,7 @@ change the tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -135,6 +136,29 @@ def test_greedy_tokens_equal_dynamic_cache(name: str, budget_chunks: int) -> Non
             assert reach * CHUNK < group.window + CHUNK
 
 
+@pytest.mark.parametrize("name", list(EXACT))
+def test_attending_on_the_host_gives_the_same_tokens_and_moves_nothing_over_the_link(
+    name: str,
+) -> None:
+    """The chunks past the device budget are attended where they lie in the host pool."""
+    model = random_model(arch_of(name), seed=2, **EXACT[name])
+    ids = prompt()
+    config = dataclasses.replace(config_for(model, 3), attend_on_host=True)
+    with torch.no_grad():
+        expected = model.generate(ids, cache=DynamicCache(config=model.config), **GREEDY)
+        cache = TieredCache(model, config, chunk_tokens=CHUNK)
+        got = model.generate(ids, cache=cache, **GREEDY)
+        streamed = TieredCache(model, config_for(model, 3), chunk_tokens=CHUNK)
+        model.generate(ids, cache=streamed, **GREEDY)
+    assert torch.equal(got, expected)
+    # every chunk read the stream path moves over the link is read on the host instead
+    hosted, moved = cache.stats(), streamed.stats()
+    assert hosted.link.bytes == 0 and "stream" not in hosted.decided_chunks
+    assert hosted.decided_chunks.get("host", 0) == moved.decided_chunks.get("stream", 0)
+    assert (moved.link.bytes > 0) == ("host" in hosted.decided_chunks)
+    assert cache.peak_device_nbytes <= cache.config.device_budget_bytes
+
+
 def make_manager(model: Any, disk: Any) -> KVManager:
     layout = KVLayout.from_model_config(model.config, torch.float32, CHUNK)
     config = ManagerConfig(
@@ -181,7 +205,8 @@ def test_next_turn_reuse_gives_the_same_tokens(name: str, tier: str, tmp_path: A
     manager.close()
 
 
-def test_a_padded_batch_of_a_hybrid_model_equals_dynamic_cache() -> None:
+@pytest.mark.parametrize("on_host", [False, True], ids=["streamed", "on-host"])
+def test_a_padded_batch_of_a_hybrid_model_equals_dynamic_cache(on_host: bool) -> None:
     model = random_model("gemma3_text", seed=2, **EXACT[HYBRID])
     ids = prompt().repeat(2, 1)
     mask = torch.ones_like(ids)
@@ -190,7 +215,8 @@ def test_a_padded_batch_of_a_hybrid_model_equals_dynamic_cache() -> None:
         expected = model.generate(
             ids, attention_mask=mask, cache=DynamicCache(config=model.config), **GREEDY
         )
-        cache = TieredCache(model, config_for(model, 3), chunk_tokens=CHUNK)
+        config = dataclasses.replace(config_for(model, 3), attend_on_host=on_host)
+        cache = TieredCache(model, config, chunk_tokens=CHUNK)
         got = model.generate(ids, attention_mask=mask, cache=cache, **GREEDY)
     assert torch.equal(got, expected)
 

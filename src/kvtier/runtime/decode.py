@@ -205,6 +205,8 @@ def _all_resident(kv: SequenceKV) -> bool:
     plan = kv.plan
     if plan is None or plan.pieces or plan.recent_valid is not None or len(plan.resident) != 1:
         return False
+    if any(plan.hosted):
+        return False
     return plan.resident[0].valid is None and kv.windows[0] is None
 
 

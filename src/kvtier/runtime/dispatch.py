@@ -17,7 +17,7 @@ import torch
 
 from kvtier import native
 from kvtier.attention import SegmentResult, attend_flat, attend_own_keys, attend_segment, merge
-from kvtier.runtime.view import LayerKV, PackedKV
+from kvtier.runtime.view import Hosted, LayerKV, PackedKV
 
 
 def attend(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -201,6 +201,9 @@ def _attend_full(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tens
         keys, values = view.staging.acquire(index)  # [H, n*T, D]
         _attend_blocks(partial, query, starts, block, keys, values, valid, scale)
         view.staging.release(index)
+    if view.hosted is not None:
+        for i, start in enumerate(starts):
+            partial[i].append(_on_host(view.hosted, query[:, :, start : start + block], scale))
     recent_len = view.recent_key.shape[2]
     if len(starts) == 1 and recent_len == sq and view.recent_valid is None and sq > 1:
         partial[0].append(attend_own_keys(query, view.recent_key, view.recent_value, scale))
@@ -266,6 +269,9 @@ def _attend_windowed(view: LayerKV, query: torch.Tensor, scale: float, window: i
             mask = in_window(chunk_positions(piece.chunk_idx))
             results.append(_attend_sealed(query, keys, values, scale, valid, mask))
         view.staging.release(index)
+    hosted = view.hosted
+    if hosted is not None and (max(hosted.chunks) + 1) * size > oldest:
+        results.append(_on_host(hosted, query, scale, in_window(chunk_positions(hosted.chunks))))
     recent_len = view.recent_key.shape[2]
     recent_pos = torch.arange(view.recent_start, view.recent_start + recent_len, device=device)
     results.append(
@@ -301,6 +307,23 @@ def _attend_blocks(
     for i, start in enumerate(starts):
         q = query[:, :, start : start + block]
         partial[i].append(_attend_sealed(q, keys, values, scale, valid))
+
+
+def _on_host(
+    hosted: Hosted, query: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> SegmentResult:
+    """``query [B, Hq, Sq, D]`` over the chunks attended in the host pool, computed where
+    they lie: the query goes to the host, the output and log-sum-exp come back."""
+    host = hosted.key.device
+    result = _attend_sealed(
+        query.to(host),
+        hosted.key,
+        hosted.value,
+        scale,
+        hosted.valid,
+        None if mask is None else mask.to(host),
+    )
+    return SegmentResult(result.out.to(query.device), result.lse.to(query.device))
 
 
 def _attend_sealed(

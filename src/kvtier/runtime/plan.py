@@ -7,15 +7,18 @@ precomputes what every layer's attention reads: the contiguous slot range of the
 chunks with their padding mask, the streamed pieces with theirs, and the recent tokens'
 mask. ``release`` unpins the host chunks.
 
-Per chunk range the plan records a ``Decision``. Today a range is resident or streamed;
-the cost model of a later issue adds host attention and recompute here, and the dispatch
-of ``kvtier.runtime.dispatch`` reads the decisions through the per-layer views.
+Per chunk range the plan records a ``Decision``: resident, streamed, or attended in the
+host pool where it lies (``attend_on_host``: the query goes to the host, the output and
+its log-sum-exp come back and merge exactly; nothing crosses the link). The dispatch of
+``kvtier.runtime.dispatch`` reads the decisions through the per-layer views. The cost
+model that chooses per range (issue 11) sets ``attend_on_host`` per pass today.
 
 A plan is built and released by the thread running the pass; attention only reads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -26,6 +29,7 @@ from kvtier.manager import KVManager
 from kvtier.runtime.arena import DeviceArena
 from kvtier.runtime.staging import Piece, StagingRing, cut_pieces
 from kvtier.runtime.state import SequenceState
+from kvtier.runtime.view import Hosted
 from kvtier.tiers.base import ChunkLostError
 from kvtier.tiers.pool import PoolTier
 
@@ -35,6 +39,7 @@ class Decision(Enum):
 
     RESIDENT = "resident"  # the group's device pool
     STREAM = "stream"  # host -> staging ring, layer by layer
+    HOST = "host"  # attended in the host pool, where it lies
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,9 @@ class ForwardPlan:
     pieces_by_layer: list[list[int]] = field(default_factory=list)
     piece_valid: dict[int, torch.Tensor | None] = field(default_factory=dict)  # [B, n*T]
     host_pins: list[ChunkRef] = field(default_factory=list)
+    hosted: list[list[tuple[int, int, int]]] = field(default_factory=list)  # by group:
+    # (host slot, row, chunk) of the chunks attended in the host pool
+    hosted_valid: list[torch.Tensor | None] = field(default_factory=list)  # by group [B, n*T]
     recent_valid: torch.Tensor | None = None  # [B, tail_before + new]; None: all real
     ranges: list[ChunkRange] = field(default_factory=list)
     layers_written: int = 0
@@ -95,9 +103,12 @@ def plan_forward(
     manager: KVManager,
     staging: StagingRing,
     new_tokens: int,
+    attend_on_host: bool = False,
 ) -> ForwardPlan:
     """Pin what a pass over ``new_tokens`` needs and plan its reads; ``valid`` is the
-    padding of every token with the new ones (``state.extended``). Mutates pins only.
+    padding of every token with the new ones (``state.extended``); ``attend_on_host``:
+    the chunks not resident are attended in the host pool instead of streamed. Mutates
+    pins only.
 
     Raises:
         ChunkLostError: a needed chunk is in no tier; nothing is left pinned.
@@ -106,6 +117,16 @@ def plan_forward(
     query_start = state.seq_len
     plan = ForwardPlan(state.sealed_chunks, state.tail_len, new_tokens, query_start)
     streamed_by_group = _pin(plan, state, arena, host, manager, query_start)
+    if attend_on_host:
+        plan.hosted, streamed_by_group = streamed_by_group, [[] for _ in streamed_by_group]
+        for hosted in plan.hosted:
+            mask = torch.zeros(state.rows, len(hosted), size, dtype=torch.bool)
+            for j, (_, row, chunk) in enumerate(hosted):
+                mask[row, j] = valid[row, chunk * size : (chunk + 1) * size]
+            plan.hosted_valid.append(_flat_mask(mask, host.device))
+        for i, item in enumerate(plan.ranges):
+            if item.decision is Decision.STREAM:
+                plan.ranges[i] = dataclasses.replace(item, decision=Decision.HOST)
     device = arena.device
     rows = state.rows
     for resident in plan.resident:
@@ -233,6 +254,22 @@ def _raise_lost(
         "the context)",
         cause=cause,
         num_chunks=sum(len(state.refs[r]) - c for r, (c, _) in lost.items()),
+    )
+
+
+def hosted_view(plan: ForwardPlan, group: int, layer_idx: int, host: PoolTier) -> Hosted | None:
+    """Layer ``layer_idx``'s chunks of group ``group`` attended on the host, gathered from
+    their pinned host slots into one ``[Hkv, n*T, D]`` sequence (a copy in host memory,
+    not over the link); None when the group has none."""
+    hosted = plan.hosted[group] if plan.hosted else []
+    if not hosted:
+        return None
+    slots = [host.slot_data(slot)[layer_idx] for slot, _, _ in hosted]  # [2, H, T, D] each
+    return Hosted(
+        key=torch.cat([s[0] for s in slots], dim=1),
+        value=torch.cat([s[1] for s in slots], dim=1),
+        chunks=tuple(chunk for _, _, chunk in hosted),
+        valid=plan.hosted_valid[group],
     )
 
 

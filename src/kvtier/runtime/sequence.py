@@ -17,6 +17,7 @@ Thread-safety: one pass at a time, from one thread; the tiers below may be share
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +30,7 @@ from kvtier.manager import KVManager, LookupResult
 from kvtier.runtime import reuse
 from kvtier.runtime.arena import DeviceArena
 from kvtier.runtime.groups import LayerGroup, layer_groups
-from kvtier.runtime.plan import ForwardPlan, plan_forward, release
+from kvtier.runtime.plan import Decision, ForwardPlan, hosted_view, plan_forward, release
 from kvtier.runtime.seats import SeatSlab
 from kvtier.runtime.staging import StagingRing
 from kvtier.runtime.state import SequenceState
@@ -109,6 +110,7 @@ class SequenceKV:
         self.reused_tokens = 0
         self.sealed_chunks = 0
         self.peak_device_nbytes = 0
+        self.decided_chunks: Counter[Decision] = Counter()  # chunk x pass, by decision
 
     @property
     def seq_len(self) -> int:
@@ -147,7 +149,14 @@ class SequenceKV:
         tail_before = self.state.tail_len
         token_ids, valid = self.state.extended(ids, new_tokens, padding)
         plan = plan_forward(
-            self.state, valid, self.arena, self.host, self.manager, staging, new_tokens
+            self.state,
+            valid,
+            self.arena,
+            self.host,
+            self.manager,
+            staging,
+            new_tokens,
+            self.config.attend_on_host,
         )
         plan.token_ids, plan.valid = token_ids, valid
         size = self.layout.chunk_tokens
@@ -156,6 +165,7 @@ class SequenceKV:
         self.plan = plan
         staging.start(plan.pieces)
         self.peak_device_nbytes = max(self.peak_device_nbytes, self.device_nbytes)
+        self.decided_chunks.update({r.decision: r.stop - r.start for r in plan.ranges})
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerKV:
         """Keep one layer's new K/V ``[B, Hkv, N, D]`` and return what its attention reads.
@@ -224,6 +234,7 @@ class SequenceKV:
             ),
             staging=staging,
             query_block_tokens=self.config.query_block_tokens,
+            hosted=hosted_view(plan, g, layer_idx, self.host),
         )
 
     def end_forward(self) -> None:
@@ -351,6 +362,7 @@ class SequenceKV:
             staging_nbytes=self.staging_nbytes,
             reused_tokens=self.reused_tokens,
             sealed_chunks=self.sealed_chunks,
+            decided_chunks={d.value: n for d, n in self.decided_chunks.items()},
         )
 
     def close(self) -> None:

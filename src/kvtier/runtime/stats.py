@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.tiers.base import TierStats
 from kvtier.transfer import LinkStats
@@ -22,6 +23,8 @@ class CacheStats:
     staging_nbytes: int
     reused_tokens: int
     sealed_chunks: int
+    decided_chunks: dict[str, int] = field(default_factory=dict)  # Decision value -> chunks
+    # read that way, summed over passes (a chunk read by 10 passes counts 10)
 
     @classmethod
     def total(cls, items: Sequence[CacheStats]) -> CacheStats:
@@ -39,6 +42,7 @@ class CacheStats:
             staging_nbytes=sum(c.staging_nbytes for c in items),
             reused_tokens=sum(c.reused_tokens for c in items),
             sealed_chunks=sum(c.sealed_chunks for c in items),
+            decided_chunks=dict(sum((Counter(c.decided_chunks) for c in items), Counter())),
         )
 
     def table(self) -> str:
@@ -61,4 +65,7 @@ class CacheStats:
             f"{self.device_budget_bytes / 1e6:.1f} MB budget, + {self.staging_nbytes / 1e6:.1f} "
             f"MB staging; {self.reused_tokens} prompt tokens reused"
         )
+        if self.decided_chunks:
+            reads = ", ".join(f"{n} {d}" for d, n in sorted(self.decided_chunks.items()))
+            rows.append(f"chunk reads by decision (chunks x passes): {reads}")
         return "\n".join(rows)

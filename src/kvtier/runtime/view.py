@@ -38,6 +38,9 @@ class LayerKV:
         pieces: the streamed pieces of this layer, ``(index, piece, valid [B, n*T])``.
         staging: the ring the pieces arrive in.
         query_block_tokens: queries attended per block off the CPU.
+        hosted: the chunks attended in the host pool where they lie, or None: their keys
+            and values ``[Hkv, n*T, D]`` on the host (gathered from their pinned slots),
+            their chunk indices and ``[B, n*T]`` visibility (None: all).
     """
 
     layer_idx: int
@@ -55,12 +58,28 @@ class LayerKV:
     pieces: tuple[tuple[int, Piece, torch.Tensor | None], ...]
     staging: StagingRing
     query_block_tokens: int
+    hosted: Hosted | None = None
 
     @property
     def all_resident(self) -> bool:
-        """Nothing streams and nothing is padded: the resident chunks and the recent tokens
-        are the whole KV, every key visible to the newest query."""
-        return not self.pieces and self.resident_valid is None and self.recent_valid is None
+        """Nothing streams, nothing is on the host, nothing is padded: the resident chunks
+        and the recent tokens are the whole KV, every key visible to the newest query."""
+        return (
+            not self.pieces
+            and self.hosted is None
+            and self.resident_valid is None
+            and self.recent_valid is None
+        )
+
+
+@dataclass(frozen=True)
+class Hosted:
+    """One layer's chunks attended in the host pool (see ``LayerKV.hosted``)."""
+
+    key: torch.Tensor  # [Hkv, n*T, D], on the host
+    value: torch.Tensor
+    chunks: tuple[int, ...]
+    valid: torch.Tensor | None  # [B, n*T] on the host; None: all visible
 
 
 @dataclass(frozen=True)
