@@ -115,6 +115,27 @@ def test_attend_prefill_equals_masked_sdpa_on_strided_views(
     assert (out[new:] == 7.0).all() and (out[:, heads:] == 7.0).all()  # nothing else written
 
 
+@pytest.mark.parametrize(
+    ("kv_heads", "groups", "dim", "tokens"), [(3, 3, 64, 256), (2, 2, 16, 300)]
+)
+def test_attend_slots_reads_chunks_where_they_lie(
+    kv_heads: int, groups: int, dim: int, tokens: int
+) -> None:
+    """Output and log-sum-exp over the named slots of a slot-major pool, as a plain softmax
+    over their keys end to end gives them."""
+    torch.manual_seed(1)
+    pool = torch.randn(6, 3, 2, kv_heads, tokens, dim)  # [slots, L, 2, H, T, D]
+    slots, layer, rows = [4, 1, 2], 2, 3
+    q = torch.randn(kv_heads * groups, rows, dim)
+    out, lse = torch.empty(rows, kv_heads * groups, dim), torch.empty(rows, kv_heads * groups)
+    _ops().attend_slots(pool, layer, torch.tensor(slots), q, out, lse, dim**-0.5)
+    k = torch.cat([pool[s, layer, 0] for s in slots], 1).repeat_interleave(groups, 0)
+    v = torch.cat([pool[s, layer, 1] for s in slots], 1).repeat_interleave(groups, 0)
+    scores = q @ k.transpose(1, 2) * dim**-0.5  # [Hq, N, K]
+    torch.testing.assert_close(out, (scores.softmax(-1) @ v).transpose(0, 1))
+    torch.testing.assert_close(lse, scores.logsumexp(-1).t())
+
+
 def test_bad_inputs_raise_a_clear_error() -> None:
     slab = torch.zeros(1, 1, 2, 1, 2, 4, 8)
     one = torch.zeros(1, dtype=torch.long)
@@ -126,6 +147,14 @@ def test_bad_inputs_raise_a_clear_error() -> None:
     q, kv, out = torch.zeros(3, 4, 64), torch.zeros(2, 4, 64), torch.zeros(4, 3, 64)
     with pytest.raises(RuntimeError, match="not a multiple of KV heads"):
         _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)
+    pool, q, out, lse = (
+        torch.zeros(2, 1, 2, 1, 4, 8),
+        torch.zeros(1, 1, 8),
+        torch.zeros(1, 1, 8),
+        torch.zeros(1, 1),
+    )
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        _ops().attend_slots(pool, 0, torch.tensor([2]), q, out, lse, 1.0)
     q, kv, out = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(4, 2, 32)
     with pytest.raises(RuntimeError, match="head dim 32 is not 64 or 128"):
         _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)

@@ -140,6 +140,45 @@ struct Item {  // one decode row, one KV head, one run of at most kBlockTokens k
   int64_t row, head, start, len;
 };
 
+// Merges, per row r and query head, the partial results (max, sum, weighted values [D]
+// per query of the group) of the row's items first[r] .. first[r+1]-1 whose KV head is
+// head_of(i); writes out[out_row[r], head] (normalised) and, when lse is given,
+// lse[out_row[r] * q_heads + head] = max + log(sum).
+template <typename HeadOf>
+void merge_rows(int64_t num_rows, const std::vector<int64_t>& first, HeadOf head_of,
+                const std::vector<float>& partial, int64_t groups, int64_t dim,
+                int64_t q_heads, const int64_t* out_row, const at::Tensor& out, float* lse,
+                bool threads) {
+  const int64_t part = dim + 2;
+  float* op = out.data_ptr<float>();
+  const int64_t merges = num_rows * q_heads;
+  at::parallel_for(0, merges, threads ? 1 : std::max<int64_t>(merges, 1),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t r = x / q_heads, hq = x % q_heads, h = hq / groups, g = hq % groups;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t i = first[r]; i < first[r + 1]; ++i) {
+        if (head_of(i) == h) m = std::max(m, partial[(i * groups + g) * part]);
+      }
+      float* dst = op + out_row[r] * out.stride(0) + hq * out.stride(1);
+      std::fill_n(dst, dim, 0.f);
+      float total = 0.f;
+      for (int64_t i = first[r]; i < first[r + 1]; ++i) {
+        if (head_of(i) != h) continue;
+        const float* res = partial.data() + (i * groups + g) * part;
+        const float w = exp_scalar(res[0] - m);
+        total += w * res[1];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] += w * res[2 + d];
+      }
+      const float inv = 1.f / total;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+      if (lse != nullptr) lse[out_row[r] * q_heads + hq] = m + std::log(total);
+    }
+  });
+}
+
 // decode_attend: the one-token attention of every decoding seat of one layer.
 //
 // slab [seats, L, 2, H, 1 + S, T, D] (contiguous): slot 0 of a seat's row is its tail,
@@ -246,32 +285,84 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
     }
   });
   // 3. merge each row's items per query head and write the output row.
-  float* op = out.data_ptr<float>();
-  const int64_t merges = num_rows * q_heads;
-  at::parallel_for(0, merges, grain == 1 ? 1 : std::max<int64_t>(merges, 1),
+  merge_rows(num_rows, first, [&](int64_t i) { return items[i].head; }, partial, groups, dim,
+             q_heads, row_p, out, nullptr, grain == 1);
+}
+
+
+// attend_slots: queries of one sequence over whole chunks in a slot-major pool, where
+// they lie (no gather). pool [slots, L, 2, H, T, D] (contiguous), slots [n] int64: the
+// chunks; query [Hq, N, D], out [N, Hq, D] (last dims contiguous), lse [N, Hq]
+// (contiguous) written: out = softmax(q k^T scale) v over every key of the chunks (no
+// mask: the chunks precede the queries), lse its log-sum-exp, to merge with other
+// segments. Work items (query, KV head, run of at most kBlockTokens keys of one chunk).
+void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots,
+                  const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse,
+                  double scale) {
+  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.scalar_type() == at::kFloat,
+              "attend_slots: pool must be a contiguous float32 [slots, L, 2, H, T, D]");
+  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous() && slots.scalar_type() == at::kLong,
+              "attend_slots: slots must be a contiguous int64 [n]");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && query.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat && query.stride(2) == 1 && out.stride(2) == 1,
+              "attend_slots: query [Hq, N, D] and out [N, Hq, D], float32, last dim contiguous");
+  const int64_t num_layers = pool.size(1), kv_heads = pool.size(3), tokens = pool.size(4);
+  const int64_t dim = pool.size(5), q_heads = query.size(0), num_rows = query.size(1);
+  const int64_t groups = q_heads / kv_heads;
+  TORCH_CHECK(layer >= 0 && layer < num_layers, "attend_slots: layer out of range");
+  TORCH_CHECK(q_heads == groups * kv_heads && query.size(2) == dim && out.size(0) == num_rows &&
+                  out.size(1) == q_heads && out.size(2) == dim,
+              "attend_slots: head counts or head dim do not match the pool");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat &&
+                  lse.numel() == num_rows * q_heads,
+              "attend_slots: lse must be a contiguous float32 [N, Hq]");
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  const int64_t n = slots.size(0);
+  TORCH_CHECK(n > 0, "attend_slots: no slots");
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(slot_p[j] >= 0 && slot_p[j] < pool.size(0), "attend_slots: slot out of range");
+  }
+  struct SlotItem {
+    int64_t row, head, slot, start, len;
+  };
+  std::vector<SlotItem> items;
+  std::vector<int64_t> first(num_rows + 1), out_rows(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    first[r] = static_cast<int64_t>(items.size());
+    out_rows[r] = r;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t s = 0; s < tokens; s += kBlockTokens) {
+          items.push_back({r, h, slot_p[j], s, std::min(kBlockTokens, tokens - s)});
+        }
+      }
+    }
+  }
+  first[num_rows] = static_cast<int64_t>(items.size());
+  const int64_t num_items = first[num_rows], part = dim + 2;
+  std::vector<float> partial(num_items * groups * part);
+  const float* base = pool.data_ptr<float>();
+  const float* qp = query.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const bool threads = num_rows * n * tokens >= kSerialKeys;
+  at::parallel_for(0, num_items, threads ? 1 : std::max<int64_t>(num_items, 1),
                    [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x) {
-      const int64_t r = x / q_heads, hq = x % q_heads, h = hq / groups, g = hq % groups;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t i = first[r]; i < first[r + 1]; ++i) {
-        if (items[i].head == h) m = std::max(m, partial[(i * groups + g) * part]);
+    std::vector<float> q(groups * dim), scores(groups * kBlockTokens);
+    for (int64_t i = begin; i < end; ++i) {
+      const SlotItem& it = items[i];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = qp + (it.head * groups + g) * query.stride(0) + it.row * query.stride(1);
+        std::copy_n(src, dim, q.data() + g * dim);
       }
-      float* dst = op + row_p[r] * out.stride(0) + hq * out.stride(1);
-      std::fill_n(dst, dim, 0.f);
-      float total = 0.f;
-      for (int64_t i = first[r]; i < first[r + 1]; ++i) {
-        if (items[i].head != h) continue;
-        const float* res = partial.data() + (i * groups + g) * part;
-        const float w = exp_scalar(res[0] - m);
-        total += w * res[1];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) dst[d] += w * res[2 + d];
-      }
-      const float inv = 1.f / total;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+      const int64_t k_at = (((it.slot * num_layers + layer) * 2) * kv_heads + it.head) * tokens;
+      const int64_t v_at = (((it.slot * num_layers + layer) * 2 + 1) * kv_heads + it.head) * tokens;
+      attend_block(groups, dim, q.data(), base + (k_at + it.start) * dim,
+                   base + (v_at + it.start) * dim, it.len, fscale, scores.data(),
+                   partial.data() + i * groups * part);
     }
   });
+  merge_rows(num_rows, first, [&](int64_t i) { return items[i].head; }, partial, groups, dim,
+             q_heads, out_rows.data(), out, lse.data_ptr<float>(), threads);
 }
 
 // rms_norm: weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of x [..., H]
@@ -454,6 +545,9 @@ TORCH_LIBRARY(kvtier_cpu, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def(
+      "attend_slots(Tensor pool, int layer, Tensor slots, Tensor query, Tensor(a!) out, "
+      "Tensor(b!) lse, float scale) -> ()");
   m.def(  // implemented in attend_prefill.cpp
       "attend_prefill(Tensor query, Tensor k_old, Tensor v_old, Tensor k_new, Tensor v_new, "
       "Tensor(a!) out, float scale) -> ()");
@@ -466,4 +560,5 @@ TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("linear_rows", &linear_rows);
+  m.impl("attend_slots", &attend_slots);
 }

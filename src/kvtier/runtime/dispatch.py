@@ -313,17 +313,45 @@ def _on_host(
     hosted: Hosted, query: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> SegmentResult:
     """``query [B, Hq, Sq, D]`` over the chunks attended in the host pool, computed where
-    they lie: the query goes to the host, the output and log-sum-exp come back."""
-    host = hosted.key.device
+    they lie: the query goes to the host, the output and log-sum-exp come back.
+
+    A few unmasked queries of one sequence on a float32 CPU pool take kvtier's
+    ``attend_slots`` kernel, which reads the pinned slots in place; the rest gather the
+    slots (a copy in host memory) and take ``attend_segment``."""
+    pool = hosted.host.pool
+    host = pool.device
+    ops = native.ops() if host.type == "cpu" and pool.dtype == torch.float32 else None
+    sq = query.shape[2]
+    if (
+        ops is not None
+        and mask is None
+        and hosted.valid is None
+        and query.shape[0] == 1
+        and sq <= HOST_KERNEL_MAX_QUERIES
+        and not hosted.host.layer_major
+        and pool.is_contiguous()
+    ):
+        q = query[0].to(host, torch.float32)  # [Hq, Sq, D]
+        out = torch.empty(sq, q.shape[0], q.shape[2])
+        lse = torch.empty(sq, q.shape[0])
+        slots = torch.tensor(hosted.slots, dtype=torch.long)
+        ops.attend_slots(pool, hosted.layer_idx, slots, q, out, lse, scale)
+        device = query.device
+        return SegmentResult(out.transpose(0, 1)[None].to(device), lse.t()[None].to(device))
+    keys, values = hosted.gathered()
     result = _attend_sealed(
         query.to(host),
-        hosted.key,
-        hosted.value,
+        keys,
+        values,
         scale,
         hosted.valid,
         None if mask is None else mask.to(host),
     )
     return SegmentResult(result.out.to(query.device), result.lse.to(query.device))
+
+
+HOST_KERNEL_MAX_QUERIES = 16
+"""Most queries ``attend_slots`` takes (it reads the chunks once per query)."""
 
 
 def _attend_sealed(

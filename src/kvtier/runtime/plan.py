@@ -258,16 +258,15 @@ def _raise_lost(
 
 
 def hosted_view(plan: ForwardPlan, group: int, layer_idx: int, host: PoolTier) -> Hosted | None:
-    """Layer ``layer_idx``'s chunks of group ``group`` attended on the host, gathered from
-    their pinned host slots into one ``[Hkv, n*T, D]`` sequence (a copy in host memory,
-    not over the link); None when the group has none."""
+    """Layer ``layer_idx``'s chunks of group ``group`` attended on the host (their pinned
+    host slots); None when the group has none."""
     hosted = plan.hosted[group] if plan.hosted else []
     if not hosted:
         return None
-    slots = [host.slot_data(slot)[layer_idx] for slot, _, _ in hosted]  # [2, H, T, D] each
     return Hosted(
-        key=torch.cat([s[0] for s in slots], dim=1),
-        value=torch.cat([s[1] for s in slots], dim=1),
+        host=host,
+        layer_idx=layer_idx,
+        slots=tuple(slot for slot, _, _ in hosted),
         chunks=tuple(chunk for _, _, chunk in hosted),
         valid=plan.hosted_valid[group],
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.runtime.staging import Piece, StagingRing
+from kvtier.tiers.pool import PoolTier
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,7 @@ class LayerKV:
         pieces: the streamed pieces of this layer, ``(index, piece, valid [B, n*T])``.
         staging: the ring the pieces arrive in.
         query_block_tokens: queries attended per block off the CPU.
-        hosted: the chunks attended in the host pool where they lie, or None: their keys
-            and values ``[Hkv, n*T, D]`` on the host (gathered from their pinned slots),
-            their chunk indices and ``[B, n*T]`` visibility (None: all).
+        hosted: the chunks attended in the host pool where they lie, or None.
     """
 
     layer_idx: int
@@ -74,12 +73,20 @@ class LayerKV:
 
 @dataclass(frozen=True)
 class Hosted:
-    """One layer's chunks attended in the host pool (see ``LayerKV.hosted``)."""
+    """One layer's chunks attended in the host pool (see ``LayerKV.hosted``): their pinned
+    slots in ``host``, their chunk indices, and ``valid [B, n*T]`` on the host (None: all
+    visible)."""
 
-    key: torch.Tensor  # [Hkv, n*T, D], on the host
-    value: torch.Tensor
+    host: PoolTier
+    layer_idx: int
+    slots: tuple[int, ...]
     chunks: tuple[int, ...]
-    valid: torch.Tensor | None  # [B, n*T] on the host; None: all visible
+    valid: torch.Tensor | None
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[Hkv, n*T, D]``: the slots copied end to end in host memory."""
+        parts = [self.host.slot_data(slot)[self.layer_idx] for slot in self.slots]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
 
 @dataclass(frozen=True)
