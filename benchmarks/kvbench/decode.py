@@ -135,14 +135,17 @@ def decode_tiered(
     gbps: float | None,
     prefetch: bool,
     staging_bytes: int = STAGING_BYTES,
+    on_host: bool = False,
 ) -> DecodeRun:
-    """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode."""
+    """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode
+    (``on_host``: the chunks past the budget attended in the host pool, not streamed)."""
     start_allocated = allocated_nbytes(work.device)
     config = TieredCacheConfig(
         device_budget_bytes=budget_bytes,
         staging_bytes=staging_bytes,
         prefetch=prefetch,
         link=LinkConfig(gbps=gbps),
+        attend_on_host=on_host,
     )
     cache = TieredCache(work.model, config, manager=manager, model_id=work.bench.model_id)
     try:
@@ -178,6 +181,7 @@ class Case:
     link: str = "real"  # "real", "link-bound", "compute-bound"
     prefetch: bool = True
     staging_bytes: int = STAGING_BYTES
+    on_host: bool = False  # the chunks past the budget attended in the host pool
 
 
 def budget_bytes_of(work: Workload, fraction: float) -> int:
@@ -231,6 +235,10 @@ def build_cases(
         for link, rate in links.items():
             cases.append(
                 Case(f"kvtier {fraction:.0%} {link}", "kvtier", fraction, budget, rate, link)
+            )
+        if work.device.type == "cpu":  # the link is not used: one case per budget
+            cases.append(
+                Case(f"kvtier {fraction:.0%} on-host", "kvtier", fraction, budget, on_host=True)
             )
     if "link-bound" in links:
         fraction = CALIBRATION_BUDGET
@@ -328,7 +336,13 @@ def run(
             return decode_dynamic(work, None)
         assert case.budget_bytes is not None
         return decode_tiered(
-            work, manager, case.budget_bytes, case.gbps, case.prefetch, case.staging_bytes
+            work,
+            manager,
+            case.budget_bytes,
+            case.gbps,
+            case.prefetch,
+            case.staging_bytes,
+            case.on_host,
         )
 
     runs: dict[str, list[DecodeRun]] = {c.name: [] for c in cases}
@@ -385,7 +399,7 @@ def summarize(
     step = median([r.step_s for r in case_runs])
     nbytes = median([r.bytes_per_step for r in case_runs])
     gbps = case.gbps if case.gbps is not None else real_gbps
-    bound = max(compute_step, nbytes / (gbps * 1e9))
+    bound = max(compute_step, nbytes / (gbps * 1e9))  # on-host: nbytes 0, compute
     identical = all(r.tokens == ref_tokens for r in case_runs)
     mismatch = None
     for r in case_runs:
@@ -430,6 +444,13 @@ def headline(results: dict[str, dict[str, Any]], compute_step: float) -> dict[st
         "compute_bound_vs_resident": ratio(step(f"kvtier {b} compute-bound"), compute_step),
         "real_link_vs_resident": ratio(step(f"kvtier {b} real"), compute_step),
         "offloading_vs_kvtier_equal_mem": ratio(step("offloading"), step("kvtier equal-mem real")),
+        # attending the chunks past the budget in the host pool instead of streaming them
+        "on_host_speedup_link_bound_10": ratio(
+            step("kvtier 10% link-bound"), step("kvtier 10% on-host")
+        ),
+        "on_host_vs_stream_compute_bound_10": ratio(
+            step("kvtier 10% on-host"), step("kvtier 10% compute-bound")
+        ),
         "resident_step_ms": compute_step * 1e3 if math.isfinite(compute_step) else None,
         "tokens_identical": all(r["tokens_identical"] for r in results.values()),
     }
