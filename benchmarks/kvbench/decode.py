@@ -145,7 +145,7 @@ def decode_tiered(
         staging_bytes=staging_bytes,
         prefetch=prefetch,
         link=LinkConfig(gbps=gbps),
-        attend_on_host=on_host,
+        placement="host" if on_host else "stream",
     )
     cache = TieredCache(work.model, config, manager=manager, model_id=work.bench.model_id)
     try:

@@ -177,6 +177,39 @@ class ManagerConfig:
 
 
 @dataclass(frozen=True)
+class PlacementRates:
+    """Measured rates the choice is made from (GB/s are 1e9 bytes per second).
+
+    Attributes:
+        link_gbps: host→device copies over the link.
+        host_attention_gbps: KV bytes per second attention reads on the host.
+        device_attention_gbps: KV bytes per second attention reads on the device.
+        compute_s: the rest of a pass on the device (projections, MLP, resident
+            attention), behind which streaming hides.
+        concurrent: host attention runs beside the device's work (the device is a GPU);
+            False: on the same cores (a CPU-only machine).
+    """
+
+    link_gbps: float
+    host_attention_gbps: float
+    device_attention_gbps: float
+    compute_s: float = 0.0
+    concurrent: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("link_gbps", "host_attention_gbps", "device_attention_gbps"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0 GB/s, got {value!r}")
+        if not self.compute_s >= 0:
+            raise ValueError(f"compute_s: must be >= 0, got {self.compute_s!r}")
+
+
+PLACEMENTS = ("stream", "host", "auto")
+"""``TieredCacheConfig.placement``'s values."""
+
+
+@dataclass(frozen=True)
 class TieredCacheConfig:
     """The transformers drop-in cache.
 
@@ -200,10 +233,12 @@ class TieredCacheConfig:
             kernel tiles the queries itself and takes them in one block).
         link: the device⇄host link (throttle it to reproduce PCIe on a CPU-only machine).
         device: where the device tier lives; None picks CUDA when available, else the CPU.
-        attend_on_host: attend the chunks that are not resident in the host pool, where
-            they lie (the query goes to the host; the output and its log-sum-exp come back
-            and merge exactly), instead of streaming them over the link. One fixed strategy
-            for every pass; the cost model's per-range choice is to come.
+        placement: where a pass reads the chunks that are not resident: ``stream`` them
+            over the link (the default), attend them in the ``host`` pool where they lie
+            (the query goes to the host; the output and its log-sum-exp come back and merge
+            exactly), or ``auto``: per pass and layer group, as many on the host as the
+            cost model (``kvtier.runtime.cost``) predicts fastest from ``rates``.
+        rates: the measured rates ``auto`` chooses from (required with it).
     """
 
     device_budget_bytes: int = 1 * GiB
@@ -215,10 +250,15 @@ class TieredCacheConfig:
     page_tokens: int = 16
     link: LinkConfig = field(default_factory=LinkConfig)
     device: str | None = None
-    attend_on_host: bool = False
+    placement: str = "stream"
+    rates: PlacementRates | None = None
 
     def __post_init__(self) -> None:
         check_int("device_budget_bytes", self.device_budget_bytes)
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement: unknown {self.placement!r}; accepted: {list(PLACEMENTS)}")
+        if self.placement == "auto" and self.rates is None:
+            raise ValueError("placement 'auto' needs rates (measure them with `kvtier calibrate`)")
         check_int("staging_bytes", self.staging_bytes, 1)
         check_int("lookahead", self.lookahead)
         check_int("sink_chunks", self.sink_chunks)

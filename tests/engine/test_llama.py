@@ -89,7 +89,7 @@ def test_contexts_past_the_device_budget_stay_exact(on_host: bool, tokenizer: An
     base = engine_config()
     chunk_nbytes = KVLayout.from_model_config(model.config, torch.float32, CHUNK).chunk_nbytes
     cache = dataclasses.replace(
-        base.cache, device_budget_bytes=3 * chunk_nbytes, attend_on_host=on_host
+        base.cache, device_budget_bytes=3 * chunk_nbytes, placement="host" if on_host else "stream"
     )
     config = dataclasses.replace(base, runner="kvtier", cache=cache)
     long_prompts = [list(range(300 + 7 * i, 300 + 7 * i + n)) for i, n in enumerate((150, 230))]

@@ -143,7 +143,7 @@ def test_attending_on_the_host_gives_the_same_tokens_and_moves_nothing_over_the_
     """The chunks past the device budget are attended where they lie in the host pool."""
     model = random_model(arch_of(name), seed=2, **EXACT[name])
     ids = prompt()
-    config = dataclasses.replace(config_for(model, 3), attend_on_host=True)
+    config = dataclasses.replace(config_for(model, 3), placement="host")
     with torch.no_grad():
         expected = model.generate(ids, cache=DynamicCache(config=model.config), **GREEDY)
         cache = TieredCache(model, config, chunk_tokens=CHUNK)
@@ -215,7 +215,9 @@ def test_a_padded_batch_of_a_hybrid_model_equals_dynamic_cache(on_host: bool) ->
         expected = model.generate(
             ids, attention_mask=mask, cache=DynamicCache(config=model.config), **GREEDY
         )
-        config = dataclasses.replace(config_for(model, 3), attend_on_host=on_host)
+        config = dataclasses.replace(
+            config_for(model, 3), placement="host" if on_host else "stream"
+        )
         cache = TieredCache(model, config, chunk_tokens=CHUNK)
         got = model.generate(ids, attention_mask=mask, cache=cache, **GREEDY)
     assert torch.equal(got, expected)

@@ -8,17 +8,17 @@ chunks with their padding mask, the streamed pieces with theirs, and the recent 
 mask. ``release`` unpins the host chunks.
 
 Per chunk range the plan records a ``Decision``: resident, streamed, or attended in the
-host pool where it lies (``attend_on_host``: the query goes to the host, the output and
-its log-sum-exp come back and merge exactly; nothing crosses the link). The dispatch of
-``kvtier.runtime.dispatch`` reads the decisions through the per-layer views. The cost
-model that chooses per range (issue 11) sets ``attend_on_host`` per pass today.
+host pool where it lies (the query goes to the host, the output and its log-sum-exp come
+back and merge exactly; nothing crosses the link), as many per group as ``hosted_count``
+says (``kvtier.runtime.cost``: none, all, or the cost model's choice). The dispatch of
+``kvtier.runtime.dispatch`` reads the decisions through the per-layer views.
 
 A plan is built and released by the thread running the pass; attention only reads it.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -103,12 +103,12 @@ def plan_forward(
     manager: KVManager,
     staging: StagingRing,
     new_tokens: int,
-    attend_on_host: bool = False,
+    hosted_count: Callable[[int, int], int] | None = None,
 ) -> ForwardPlan:
     """Pin what a pass over ``new_tokens`` needs and plan its reads; ``valid`` is the
-    padding of every token with the new ones (``state.extended``); ``attend_on_host``:
-    the chunks not resident are attended in the host pool instead of streamed. Mutates
-    pins only.
+    padding of every token with the new ones (``state.extended``); ``hosted_count(group,
+    n)``: how many of a group's ``n`` non-resident chunks (the oldest) are attended in the
+    host pool instead of streamed (None: none; ``kvtier.runtime.cost``). Mutates pins only.
 
     Raises:
         ChunkLostError: a needed chunk is in no tier; nothing is left pinned.
@@ -117,16 +117,19 @@ def plan_forward(
     query_start = state.seq_len
     plan = ForwardPlan(state.sealed_chunks, state.tail_len, new_tokens, query_start)
     streamed_by_group = _pin(plan, state, arena, host, manager, query_start)
-    if attend_on_host:
-        plan.hosted, streamed_by_group = streamed_by_group, [[] for _ in streamed_by_group]
-        for hosted in plan.hosted:
-            mask = torch.zeros(state.rows, len(hosted), size, dtype=torch.bool)
-            for j, (_, row, chunk) in enumerate(hosted):
+    if hosted_count is not None:
+        hosted_keys: set[tuple[int, int, int]] = set()  # (group, row, chunk)
+        for g, todo in enumerate(streamed_by_group):
+            k = min(max(hosted_count(g, len(todo)), 0), len(todo))
+            plan.hosted.append(todo[:k])
+            streamed_by_group[g] = todo[k:]
+            hosted_keys.update((g, row, chunk) for _, row, chunk in todo[:k])
+            mask = torch.zeros(state.rows, k, size, dtype=torch.bool)
+            for j, (_, row, chunk) in enumerate(todo[:k]):
                 mask[row, j] = valid[row, chunk * size : (chunk + 1) * size]
             plan.hosted_valid.append(_flat_mask(mask, host.device))
-        for i, item in enumerate(plan.ranges):
-            if item.decision is Decision.STREAM:
-                plan.ranges[i] = dataclasses.replace(item, decision=Decision.HOST)
+        if hosted_keys:
+            plan.ranges = _mark_hosted(plan.ranges, hosted_keys)
     device = arena.device
     rows = state.rows
     for resident in plan.resident:
@@ -229,6 +232,18 @@ def _extend(ranges: list[ChunkRange], item: ChunkRange) -> None:
         ranges[-1] = ChunkRange(last.group, last.row, last.start, item.stop, last.decision)
     else:
         ranges.append(item)
+
+
+def _mark_hosted(ranges: list[ChunkRange], hosted: set[tuple[int, int, int]]) -> list[ChunkRange]:
+    """``ranges`` with the streamed chunks in ``hosted`` (group, row, chunk) marked HOST."""
+    marked: list[ChunkRange] = []
+    for item in ranges:
+        for chunk in range(item.start, item.stop):
+            decision = item.decision
+            if decision is Decision.STREAM and (item.group, item.row, chunk) in hosted:
+                decision = Decision.HOST
+            _extend(marked, ChunkRange(item.group, item.row, chunk, chunk + 1, decision))
+    return marked
 
 
 def _raise_lost(

@@ -29,6 +29,7 @@ from kvtier.kv.spec import check_update
 from kvtier.manager import KVManager, LookupResult
 from kvtier.runtime import reuse
 from kvtier.runtime.arena import DeviceArena
+from kvtier.runtime.cost import hosted_counter
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import Decision, ForwardPlan, hosted_view, plan_forward, release
 from kvtier.runtime.seats import SeatSlab
@@ -148,16 +149,9 @@ class SequenceKV:
         assert staging is not None
         tail_before = self.state.tail_len
         token_ids, valid = self.state.extended(ids, new_tokens, padding)
-        plan = plan_forward(
-            self.state,
-            valid,
-            self.arena,
-            self.host,
-            self.manager,
-            staging,
-            new_tokens,
-            self.config.attend_on_host,
-        )
+        hosted = hosted_counter(self.config, self.layout, self.groups)
+        args = (self.state, valid, self.arena, self.host, self.manager, staging, new_tokens)
+        plan = plan_forward(*args, hosted)
         plan.token_ids, plan.valid = token_ids, valid
         size = self.layout.chunk_tokens
         if tail_before + new_tokens > size:
