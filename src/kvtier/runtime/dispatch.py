@@ -13,6 +13,8 @@ state.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvtier import native
@@ -22,9 +24,10 @@ from kvtier.runtime.view import Hosted, LayerKV, PackedKV
 
 def attend(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tensor:
     """``query [B, Hq, Sq, D]`` over one layer's segments → ``[B, Hq, Sq, D]``."""
-    if _fused_prefill(view, query, scale, None):
+    fused = _fused_inputs(view, query)
+    if fused is not None:
         out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-        _fused_prefill(view, query, scale, out)
+        fused[0].attend_prefill(query[0], *fused[1:], out, scale)
         return out.transpose(0, 1)[None]
     if view.window is not None:
         return _attend_windowed(view, query, scale, view.window)
@@ -50,9 +53,11 @@ def attend_packed(
             decodes.append((start, row))
             continue
         span = query[:, :, start : start + length]
-        if _fused_prefill(row, span, scale, out[0, start : start + length]):
+        fused = _fused_inputs(row, span)
+        if fused is not None:
+            fused[0].attend_prefill(span[0], *fused[1:], out[0, start : start + length], scale)
             continue
-        result = attend(row, query[:, :, start : start + length], scale)
+        result = attend(row, span, scale)
         out[:, start : start + length] = result.transpose(1, 2)
     if decodes:
         _attend_decodes(decodes, query, scale, out)
@@ -70,20 +75,17 @@ the earlier keys runs as MKL matmuls at 100-128 GFLOP/s, the kernel at 85-90 (a 
 pass over 2,048 earlier keys: 115 against 167 ms)."""
 
 
-def _fused_prefill(
-    view: LayerKV, query: torch.Tensor, scale: float, out: torch.Tensor | None
-) -> bool:
-    """Attend ``query [1, Hq, S, D]`` with kvtier's ``attend_prefill`` into ``out [S, Hq,
-    D]`` and return True, where it applies: kvtier's CPU kernels, float32 on the CPU, a
+def _fused_inputs(view: LayerKV, query: torch.Tensor) -> tuple[Any, ...] | None:
+    """``(ops, k_old, v_old, k_new, v_new)`` for kvtier's ``attend_prefill`` over
+    ``query [1, Hq, S, D]`` where it applies: kvtier's CPU kernels, float32 on the CPU, a
     full-attention layer whose whole KV is resident and unpadded, the pass's own keys last
-    in ``recent_key`` (with nothing before them there when chunks are resident too).
-    ``out`` None: only say whether it applies. Else False, nothing written.
+    in ``recent_key`` (with nothing before them there when chunks are resident too), within
+    ``FUSED_MAX_TOKENS``. None: the segments path.
 
     Measured against the segments-and-merge path on SmolLM2's shape (9 query heads over
     3, D 64; 2-core AMD EPYC, interleaved; docs/benchmarks.md): a 256-token pass with no
     earlier keys 0.9-1.0 against 1.1-2.1 ms, over 512 earlier keys 4.5-5.2 against 6.5-7.2;
-    a 512-token pass with none 3.8-4.0 against 5.2-7.8 ms. Larger passes, or more earlier
-    keys, take the segments (``FUSED_MAX_TOKENS``).
+    a 512-token pass with none 3.8-4.0 against 5.2-7.8 ms.
     """
     sq, dim = query.shape[2], query.shape[3]
     if (
@@ -95,30 +97,27 @@ def _fused_prefill(
         or query.dtype != torch.float32
         or not query.is_cpu
     ):
-        return False
+        return None
     recent = view.recent_key.shape[2]
     earlier = recent - sq  # the tail's tokens before this pass
     if view.recent_key.shape[0] != 1 or earlier < 0 or view.recent_key.dtype != torch.float32:
-        return False
+        return None
     if any(t is not None and t.stride(-1) != 1 for t in _kv_tensors(view)):
-        return False
+        return None
     if view.resident_key is not None and earlier > 0:
-        return False  # three sources; the segments path takes it
+        return None  # three sources; the segments path takes it
     resident = 0 if view.resident_key is None else view.resident_key.shape[1]
     if sq > FUSED_MAX_TOKENS or resident + earlier > FUSED_MAX_EARLIER_PER_TOKEN * sq:
-        return False
+        return None
     ops = native.ops()
     if ops is None:
-        return False
-    if out is None:
-        return True
+        return None
     if view.resident_key is not None and view.resident_value is not None:
         k_old, v_old = view.resident_key, view.resident_value
     else:
         k_old, v_old = view.recent_key[0, :, :earlier], view.recent_value[0, :, :earlier]
     k_new, v_new = view.recent_key[0, :, earlier:], view.recent_value[0, :, earlier:]
-    ops.attend_prefill(query[0], k_old, v_old, k_new, v_new, out, scale)
-    return True
+    return ops, k_old, v_old, k_new, v_new
 
 
 def _kv_tensors(view: LayerKV) -> tuple[torch.Tensor | None, ...]:
@@ -334,8 +333,7 @@ def _on_host(
         q = query[0].to(host, torch.float32)  # [Hq, Sq, D]
         out = torch.empty(sq, q.shape[0], q.shape[2])
         lse = torch.empty(sq, q.shape[0])
-        slots = torch.tensor(hosted.slots, dtype=torch.long)
-        ops.attend_slots(pool, hosted.layer_idx, slots, q, out, lse, scale)
+        ops.attend_slots(pool, hosted.layer_idx, hosted.slot_index, q, out, lse, scale)
         device = query.device
         return SegmentResult(out.transpose(0, 1)[None].to(device), lse.t()[None].to(device))
     keys, values = hosted.gathered()

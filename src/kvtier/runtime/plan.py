@@ -88,6 +88,7 @@ class ForwardPlan:
     hosted: list[list[tuple[int, int, int]]] = field(default_factory=list)  # by group:
     # (host slot, row, chunk) of the chunks attended in the host pool
     hosted_valid: list[torch.Tensor | None] = field(default_factory=list)  # by group [B, n*T]
+    hosted_index: list[torch.Tensor] = field(default_factory=list)  # by group: slots [n]
     recent_valid: torch.Tensor | None = None  # [B, tail_before + new]; None: all real
     ranges: list[ChunkRange] = field(default_factory=list)
     layers_written: int = 0
@@ -122,6 +123,7 @@ def plan_forward(
         for g, todo in enumerate(streamed_by_group):
             k = min(max(hosted_count(g, len(todo)), 0), len(todo))
             plan.hosted.append(todo[:k])
+            plan.hosted_index.append(torch.tensor([s for s, _, _ in todo[:k]], dtype=torch.long))
             streamed_by_group[g] = todo[k:]
             hosted_keys.update((g, row, chunk) for _, row, chunk in todo[:k])
             mask = torch.zeros(state.rows, k, size, dtype=torch.bool)
@@ -282,6 +284,7 @@ def hosted_view(plan: ForwardPlan, group: int, layer_idx: int, host: PoolTier) -
         host=host,
         layer_idx=layer_idx,
         slots=tuple(slot for slot, _, _ in hosted),
+        slot_index=plan.hosted_index[group],
         chunks=tuple(chunk for _, _, chunk in hosted),
         valid=plan.hosted_valid[group],
     )

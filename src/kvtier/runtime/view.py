@@ -80,6 +80,7 @@ class Hosted:
     host: PoolTier
     layer_idx: int
     slots: tuple[int, ...]
+    slot_index: torch.Tensor  # the slots as int64 [n] on the CPU (kvtier's host kernel)
     chunks: tuple[int, ...]
     valid: torch.Tensor | None
 
