@@ -19,6 +19,7 @@ bytes moved). Pure functions of their arguments; thread-safe.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from kvtier.config import PlacementRates, TieredCacheConfig
@@ -53,16 +54,17 @@ def hosted_counter(
     config: TieredCacheConfig, layout: KVLayout, groups: Sequence[LayerGroup]
 ) -> Callable[[int, int], int] | None:
     """``(group, chunks) -> how many to attend on the host`` for ``config.placement``; None
-    for ``stream`` (all stream)."""
+    for ``stream`` (all stream). The ``auto`` answer depends only on its arguments, so it
+    is computed once per (group, chunks) and kept."""
+    rates = config.rates
     if config.placement == "stream":
         return None
-    rates = config.rates
-    if config.placement == "host" or rates is None:
+    if rates is None:  # "host" (the config refuses "auto" without rates)
         return lambda group, chunks: chunks
     chunk_nbytes = [group.layout(layout).chunk_nbytes for group in groups]  # all its layers
 
+    @functools.cache
     def count(group: int, chunks: int) -> int:
-        assert rates is not None
         return choose_hosted(chunks, chunk_nbytes[group], rates)
 
     return count

@@ -283,7 +283,6 @@ def hosted_view(plan: ForwardPlan, group: int, layer_idx: int, host: PoolTier) -
     return Hosted(
         host=host,
         layer_idx=layer_idx,
-        slots=tuple(slot for slot, _, _ in hosted),
         slot_index=plan.hosted_index[group],
         chunks=tuple(chunk for _, _, chunk in hosted),
         valid=plan.hosted_valid[group],

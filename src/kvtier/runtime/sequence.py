@@ -112,6 +112,7 @@ class SequenceKV:
         self.sealed_chunks = 0
         self.peak_device_nbytes = 0
         self.decided_chunks: Counter[Decision] = Counter()  # chunk x pass, by decision
+        self._hosted_count = hosted_counter(config, self.layout, self.groups)
 
     @property
     def seq_len(self) -> int:
@@ -149,9 +150,8 @@ class SequenceKV:
         assert staging is not None
         tail_before = self.state.tail_len
         token_ids, valid = self.state.extended(ids, new_tokens, padding)
-        hosted = hosted_counter(self.config, self.layout, self.groups)
         args = (self.state, valid, self.arena, self.host, self.manager, staging, new_tokens)
-        plan = plan_forward(*args, hosted)
+        plan = plan_forward(*args, self._hosted_count)
         plan.token_ids, plan.valid = token_ids, valid
         size = self.layout.chunk_tokens
         if tail_before + new_tokens > size:

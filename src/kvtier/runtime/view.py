@@ -79,14 +79,13 @@ class Hosted:
 
     host: PoolTier
     layer_idx: int
-    slots: tuple[int, ...]
-    slot_index: torch.Tensor  # the slots as int64 [n] on the CPU (kvtier's host kernel)
+    slot_index: torch.Tensor  # their pinned host slots, int64 [n] on the CPU
     chunks: tuple[int, ...]
     valid: torch.Tensor | None
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[Hkv, n*T, D]``: the slots copied end to end in host memory."""
-        parts = [self.host.slot_data(slot)[self.layer_idx] for slot in self.slots]
+        parts = [self.host.slot_data(slot)[self.layer_idx] for slot in self.slot_index.tolist()]
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
 
