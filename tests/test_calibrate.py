@@ -38,9 +38,14 @@ def test_every_rate_is_measured(profile_and_path: tuple[dict[str, Any], Path]) -
     link = profile["link"]
     assert link["kind"].startswith("memcpy")  # no accelerator here
     assert min(link["h2d_gbps"], link["d2h_gbps"], link["each_way_both_busy_gbps"]) > 0
-    attention = profile["host_attention_gbps"]
+    attention = profile["attention"]["host"]
     assert set(attention) == ({"torch", "kvtier"} if native.ops() is not None else {"torch"})
     assert all(set(rates) >= {"1"} and min(rates.values()) > 0 for rates in attention.values())
+    device = profile["attention"]["device"]
+    assert device["kernel"] == ("kvtier" if native.ops() is not None else "torch")
+    assert device["gbps"] > 0
+    rates = cal.placement_rates(profile)  # what placement "auto" reads
+    assert rates.link_gbps == link["h2d_gbps"] and not rates.concurrent
     disk = profile["disk"]
     assert disk["write_gbps"] > 0 and disk["read_gbps"] > 0
     assert not list(Path(disk["folder"]).glob("kvtier-calibrate-*"))  # scratch removed

@@ -238,7 +238,9 @@ class TieredCacheConfig:
             (the query goes to the host; the output and its log-sum-exp come back and merge
             exactly), or ``auto``: per pass and layer group, as many on the host as the
             cost model (``kvtier.runtime.cost``) predicts fastest from ``rates``.
-        rates: the measured rates ``auto`` chooses from (required with it).
+        rates: the measured rates ``auto`` chooses from; None: the engine and
+            ``TieredCache`` read this machine's ``kvtier calibrate`` profile of the model
+            (``kvtier.calibrate.resolve_rates``). A ``link`` throttle caps the link rate.
     """
 
     device_budget_bytes: int = 1 * GiB
@@ -257,8 +259,6 @@ class TieredCacheConfig:
         check_int("device_budget_bytes", self.device_budget_bytes)
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement: unknown {self.placement!r}; accepted: {list(PLACEMENTS)}")
-        if self.placement == "auto" and self.rates is None:
-            raise ValueError("placement 'auto' needs rates (measure them with `kvtier calibrate`)")
         check_int("staging_bytes", self.staging_bytes, 1)
         check_int("lookahead", self.lookahead)
         check_int("sink_chunks", self.sink_chunks)

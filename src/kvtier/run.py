@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig, TieredCacheConfig
+from kvtier.config import (
+    PLACEMENTS,
+    DiskConfig,
+    HostConfig,
+    LinkConfig,
+    ManagerConfig,
+    TieredCacheConfig,
+)
 from kvtier.hf import TieredCache
 from kvtier.hf.generate import GenerateResult, generate, generate_resident
 from kvtier.kv import KVLayout
@@ -97,6 +104,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="torch threads (CPU default 1: compute on one core, the link's copies on another)",
     )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="stream",
+        help="non-resident KV: stream it, attend it on the host, or auto (the cost model)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
@@ -131,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     final_tokens = ids.shape[1] + args.max_new_tokens
     budget_bytes = max(int(args.budget * layout.kv_nbytes(final_tokens)), layout.chunk_nbytes)
     link = LinkConfig(gbps=args.link_gbps, latency_ms=args.link_latency_ms)
-    cache_config = TieredCacheConfig(device_budget_bytes=budget_bytes, link=link)
+    cache_config = TieredCacheConfig(
+        device_budget_bytes=budget_bytes, link=link, placement=args.placement
+    )
     manager = KVManager(
         layout,
         loaded.model_id,

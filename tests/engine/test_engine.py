@@ -240,3 +240,33 @@ def test_a_request_the_tiers_cannot_hold_is_refused_up_front(model: Any, tokeniz
     with Engine(model, tokenizer, engine_config(host_chunks=32)) as engine:
         out = engine.submit(prompt, GREEDY).result()
     assert out.token_ids == reference_tokens(model, prompt, len(out.token_ids))
+
+
+def test_placement_auto_calibrates_once_at_first_start_and_stays_exact(
+    model: Any, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No profile of the model here: the first engine measures one and saves it; the next
+    reads it; greedy tokens equal transformers' with the chunks past the budget placed by
+    the cost model."""
+    from kvtier.calibrate import load_profile
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    base = engine_config()
+    config = dataclasses.replace(
+        base, cache=dataclasses.replace(base.cache, placement="auto", rates=None)
+    )
+    assert load_profile("tiny-auto") is None
+    with Engine(model, tokenizer, config, model_id="tiny-auto") as engine:
+        profile = load_profile("tiny-auto")
+        assert profile is not None and profile["model"]["id"] == "tiny-auto"
+        ids = engine.encode(" ".join([STORY] * 5))  # 12+ chunks: past the 8-chunk budget
+        tokens = [e.token_id for e in engine.submit(ids, GREEDY)]
+        stats = engine.stats().cache
+        assert stats is not None
+        placed = {d: n for d, n in stats.decided_chunks.items() if d in ("stream", "host")}
+    assert tokens == reference_tokens(model, ids, 24)
+    assert sum(placed.values()) > 0, stats.decided_chunks
+    measured_at = profile["measured_at"]
+    with Engine(model, tokenizer, config, model_id="tiny-auto"):
+        again = load_profile("tiny-auto")
+        assert again is not None and again["measured_at"] == measured_at  # not measured again

@@ -3,15 +3,20 @@ the plan it leads to (tokens still exact)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from kvtier.config import PlacementRates, TieredCacheConfig
+from kvtier.calibrate import PROFILE_VERSION, machine_identity, profile_path, save_profile
+from kvtier.calibrate.rates import ProfileMissingError, placement_rates
+from kvtier.config import LinkConfig, PlacementRates, TieredCacheConfig
 from kvtier.hf.cache import TieredCache
 from kvtier.kv.layout import KVLayout
 from kvtier.models import random_model
-from kvtier.runtime.cost import choose_hosted, predict_s
+from kvtier.runtime.cost import choose_hosted, hosted_counter, predict_s
+from kvtier.runtime.groups import LayerGroup
 
 MB = 10**6
 
@@ -58,8 +63,65 @@ def test_bad_rates_and_placements_are_refused() -> None:
         PlacementRates(link_gbps=0, host_attention_gbps=1, device_attention_gbps=1)
     with pytest.raises(ValueError, match="placement: unknown 'nowhere'"):
         TieredCacheConfig(placement="nowhere")
-    with pytest.raises(ValueError, match="needs rates"):
-        TieredCacheConfig(placement="auto")
+
+
+def test_auto_without_rates_reads_the_profile_or_says_to_calibrate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    model = random_model("llama", seed=4)
+    config = TieredCacheConfig(placement="auto")
+    with pytest.raises(ProfileMissingError, match="run `kvtier calibrate`"):
+        TieredCache(model, config, chunk_tokens=16, model_id="tiny-llama")
+    save_profile(PROFILE, profile_path("tiny-llama"))
+    cache = TieredCache(model, config, chunk_tokens=16, model_id="tiny-llama")
+    assert cache.config.rates == placement_rates(PROFILE)
+    cache.close()
+
+
+PROFILE = {
+    "version": PROFILE_VERSION,
+    "machine": {"identity": machine_identity(), "device": "cpu (no GPU)"},
+    "model": {"id": "tiny-llama"},
+    "link": {"h2d_gbps": 9.0},
+    "attention": {
+        "host": {"torch": {"1": 3.0, "2": 5.0}, "kvtier": {"1": 12.0, "2": 20.0}},
+        "device": {"kernel": "kvtier", "gbps": 15.0},
+    },
+    "compute": {"decode": {"fit": {"ms": 40.0, "ms_per_context_token": 0.01}}},
+}
+
+
+def test_a_profile_gives_the_rates_at_the_thread_count() -> None:
+    two = placement_rates(PROFILE, threads=2)
+    assert two == PlacementRates(
+        link_gbps=9.0, host_attention_gbps=20.0, device_attention_gbps=15.0, compute_s=0.04
+    )
+    assert placement_rates(PROFILE, threads=8).host_attention_gbps == 20.0  # the nearest below
+    assert placement_rates(PROFILE, threads=1).host_attention_gbps == 12.0
+    gpu = {**PROFILE, "machine": {"device": "NVIDIA H200"}}
+    assert placement_rates(gpu).concurrent
+    with pytest.raises(ValueError, match="lacks 'attention'"):
+        placement_rates({"link": {"h2d_gbps": 1.0}})
+
+
+def test_a_link_throttle_caps_the_link_rate_the_model_assumes() -> None:
+    """At 10 GB/s four chunks hide behind 1 ms of compute and stream; throttled to
+    1e-4 GB/s they would take longer than attending them on the host."""
+    model = random_model("llama", seed=4)
+    layout = KVLayout.from_model_config(model.config, torch.float32, 16)
+    rates = PlacementRates(
+        link_gbps=10, host_attention_gbps=5, device_attention_gbps=1e6, compute_s=1e-3
+    )
+    groups = [LayerGroup(window=None, layers=tuple(range(layout.num_layers)))]
+    free = hosted_counter(TieredCacheConfig(placement="auto", rates=rates), layout, groups)
+    slow = hosted_counter(
+        TieredCacheConfig(placement="auto", rates=rates, link=LinkConfig(gbps=1e-4)),
+        layout,
+        groups,
+    )
+    assert free is not None and slow is not None
+    assert free(0, 4) == 0 and slow(0, 4) == 4
 
 
 def test_auto_splits_a_pass_and_the_tokens_stay_exact() -> None:

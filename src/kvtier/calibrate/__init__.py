@@ -7,9 +7,10 @@ it, on the machine that runs it:
 - ``link``: the device⇄host link (``kvtier.transfer.Link`` copying a chunk-sized buffer
   per step) each way alone and both ways at once. Without an accelerator the "device" is
   host memory, so the link is a memcpy (``kind`` says which).
-- ``host_attention_gbps``: one decode query over host-resident KV of every layer, bytes of
-  K and V read per second, per thread count: torch's kernel (``attend_flat``, what a
-  host-side segment runs today) and kvtier's ``decode_attend`` where it is built.
+- ``attention``: one decode query over KV of every layer, bytes of K and V read per
+  second: in the host pool per thread count (``host``: torch's kernel over the slots
+  gathered, and kvtier's ``attend_slots`` in place where it is built), and in the device
+  pool (``device``: kvtier's ``decode_attend`` on a CPU device, torch's kernel on another).
 - ``disk``: sequential write (``fdatasync``) and read of a scratch file through the disk
   tier's I/O helpers, with ``O_DIRECT`` where the filesystem takes it (``direct``).
 - ``compute``: the model's prefill seconds for prompts of several lengths and its decode
@@ -28,9 +29,9 @@ with torch's thread count restored afterwards.
 
 from kvtier.calibrate.measure import (
     fit,
+    measure_attention,
     measure_compute,
     measure_disk,
-    measure_host_attention,
     measure_link,
 )
 from kvtier.calibrate.profile import (
@@ -40,21 +41,26 @@ from kvtier.calibrate.profile import (
     profile_path,
     save_profile,
 )
-from kvtier.calibrate.run import Settings, calibrate, main, report
+from kvtier.calibrate.rates import ProfileMissingError, placement_rates, resolve_rates
+from kvtier.calibrate.run import Settings, calibrate, calibrate_model, main, report
 
 __all__ = [
     "PROFILE_VERSION",
+    "ProfileMissingError",
     "Settings",
     "calibrate",
+    "calibrate_model",
     "fit",
     "load_profile",
     "machine_identity",
     "main",
+    "measure_attention",
     "measure_compute",
     "measure_disk",
-    "measure_host_attention",
     "measure_link",
+    "placement_rates",
     "profile_path",
     "report",
+    "resolve_rates",
     "save_profile",
 ]

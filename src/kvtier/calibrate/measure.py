@@ -83,31 +83,81 @@ def measure_link(
     }
 
 
-def measure_host_attention(
-    layout: KVLayout, groups: int, tokens: int, thread_counts: Sequence[int], repeats: int
-) -> dict[str, dict[str, float]]:
+def measure_attention(
+    layout: KVLayout,
+    groups: int,
+    tokens: int,
+    thread_counts: Sequence[int],
+    repeats: int,
+    device: torch.device,
+) -> dict[str, Any]:
     """GB/s of K and V read by one decode query (the ``groups`` query heads of every KV
-    head) over ``tokens`` host tokens in every layer (so the bytes come from memory, not
-    the CPU's caches), per torch thread count: with torch's kernel (``attend_flat``, what a
-    host-side segment runs through ``kvtier.runtime.dispatch``) and, where it is built, with
-    kvtier's ``decode_attend`` over a one-seat slab (``kvtier.native``)."""
+    head) over ``tokens`` tokens in every layer (so the bytes come from memory, not the
+    CPU's caches).
+
+    ``host``: over the slot-major host pool, per torch thread count, with torch's kernel
+    (``attend_flat`` over the slots gathered, what ``kvtier.runtime.dispatch`` runs for
+    many queries) and, where it is built, kvtier's ``attend_slots`` (read in place, what a
+    decode's ``Decision.HOST`` chunks take). ``device``: over ``device``'s pool at the
+    current thread count: kvtier's ``decode_attend`` over a one-seat slab where the device
+    is this CPU and the kernel is built, else torch's kernel on ``device``."""
     num_layers, _, heads, size, dim = layout.chunk_shape
     slots = -(-tokens // size)
-    gen = torch.Generator().manual_seed(0)
-    slab = torch.randn(1, num_layers, 2, heads, 1 + slots, size, dim, generator=gen)
-    keys = slab[0, :, 0, :, 1:].reshape(num_layers, 1, heads, slots * size, dim)
-    values = slab[0, :, 1, :, 1:].reshape(num_layers, 1, heads, slots * size, dim)
-    q = torch.randn(1, heads, groups, dim, generator=gen)
-    nbytes = 2 * keys.numel() * 4
+    nbytes = 2 * num_layers * heads * slots * size * dim * 4
     scale = dim**-0.5
-
-    def torch_pass() -> None:
-        for layer in range(num_layers):
-            attend_flat(q, keys[layer], values[layer], None, scale)
-
-    cases: dict[str, Callable[[], None]] = {"torch": torch_pass}
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(slots, num_layers, 2, heads, size, dim, generator=gen)
+    query = torch.randn(heads * groups, 1, dim, generator=gen)
+    q4 = query.reshape(1, heads, groups, dim)
     ops = native.ops()
+
+    def gathered_pass() -> None:
+        for layer in range(num_layers):
+            keys = pool[:, layer, 0].transpose(0, 1).reshape(1, heads, slots * size, dim)
+            values = pool[:, layer, 1].transpose(0, 1).reshape(1, heads, slots * size, dim)
+            attend_flat(q4, keys, values, None, scale)
+
+    host_cases: dict[str, Callable[[], None]] = {"torch": gathered_pass}
     if ops is not None:
+        index = torch.arange(slots, dtype=torch.long)
+        out = torch.empty(1, heads * groups, dim)
+        lse = torch.empty(1, heads * groups)
+
+        def slots_pass() -> None:
+            for layer in range(num_layers):
+                ops.attend_slots(pool, layer, index, query, out, lse, scale)
+
+        host_cases["kvtier"] = slots_pass
+    before = torch.get_num_threads()
+    host: dict[str, dict[str, float]] = {name: {} for name in host_cases}
+    try:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            for name, run in host_cases.items():
+                host[name][str(threads)] = nbytes / _best_s(run, repeats) / 1e9
+    finally:
+        torch.set_num_threads(before)
+    kernel, run = _device_attention(layout, groups, slots, device, ops, gen)
+    return {
+        "host": host,
+        "device": {"kernel": kernel, "gbps": nbytes / _best_s(run, repeats) / 1e9},
+    }
+
+
+def _device_attention(
+    layout: KVLayout,
+    groups: int,
+    slots: int,
+    device: torch.device,
+    ops: Any,
+    gen: torch.Generator,
+) -> tuple[str, Callable[[], None]]:
+    """The kernel name and one decode pass over ``slots`` chunks of every layer in the
+    device pool (see ``measure_attention``)."""
+    num_layers, _, heads, size, dim = layout.chunk_shape
+    scale = dim**-0.5
+    if device.type == "cpu" and ops is not None:
+        slab = torch.randn(1, num_layers, 2, heads, 1 + slots, size, dim, generator=gen)
         one = torch.zeros(1, dtype=torch.long)
         lo, hi = torch.tensor([size]), torch.tensor([(1 + slots) * size])
         query = torch.randn(heads * groups, 1, dim, generator=gen)
@@ -118,17 +168,17 @@ def measure_host_attention(
             for layer in range(num_layers):
                 ops.decode_attend(slab, layer, one, one, lo, hi, one, query, new, new, out, scale)
 
-        cases["kvtier"] = kernel_pass
-    before = torch.get_num_threads()
-    rates: dict[str, dict[str, float]] = {name: {} for name in cases}
-    try:
-        for threads in thread_counts:
-            torch.set_num_threads(threads)
-            for name, run in cases.items():
-                rates[name][str(threads)] = nbytes / _best_s(run, repeats) / 1e9
-    finally:
-        torch.set_num_threads(before)
-    return rates
+        return "kvtier", kernel_pass
+    kv = torch.randn(num_layers, 2, 1, heads, slots * size, dim, generator=gen).to(device)
+    q4 = torch.randn(1, heads, groups, dim, generator=gen).to(device)
+
+    def torch_pass() -> None:
+        for layer in range(num_layers):
+            attend_flat(q4, kv[layer, 0], kv[layer, 1], None, scale)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return "torch", torch_pass
 
 
 def measure_disk(folder: Path, nbytes: int, repeats: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 from kvtier.machine import machine_info
 from kvtier.models import cache_root
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def machine_identity() -> str:

@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from kvtier.calibrate.measure import (
     MiB,
+    measure_attention,
     measure_compute,
     measure_disk,
-    measure_host_attention,
     measure_link,
 )
 from kvtier.calibrate.profile import PROFILE_VERSION, machine_identity, save_profile
@@ -98,9 +98,9 @@ def calibrate(
             ),
         ),
         (
-            "host_attention_gbps",
-            lambda: measure_host_attention(
-                layout, groups, settings.attention_tokens, threads, settings.repeats
+            "attention",
+            lambda: measure_attention(
+                layout, groups, settings.attention_tokens, threads, settings.repeats, device
             ),
         ),
         ("disk", lambda: measure_disk(Path(folder), settings.disk_bytes, settings.repeats)),
@@ -141,19 +141,43 @@ def calibrate(
     }
 
 
+def calibrate_model(
+    model: Any, tokenizer: Any, model_id: str, settings: Settings, progress: bool = True
+) -> dict[str, Any]:
+    """``calibrate`` through an engine of its own over ``model`` (batch 1, a device budget
+    that holds the longest prompt, a host tier twice that), closed afterwards."""
+    from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
+    from kvtier.engine import Engine, EngineConfig
+
+    layout = KVLayout.from_model_config(model.config, next(model.parameters()).dtype, CHUNK_TOKENS)
+    longest = max(settings.prefill_tokens) + settings.decode_tokens + 2
+    budget = (longest // layout.chunk_tokens + 2) * layout.chunk_nbytes
+    config = EngineConfig(
+        max_batch_size=1,
+        cache=TieredCacheConfig(device_budget_bytes=budget),
+        manager=ManagerConfig(
+            chunk_tokens=CHUNK_TOKENS, host=HostConfig(capacity_bytes=2 * budget)
+        ),
+    )
+    with Engine(model, tokenizer, config, model_id=model_id) as engine:
+        return calibrate(engine, settings, progress)
+
+
 def report(profile: dict[str, Any]) -> str:
     """A few lines of what was measured, for the terminal."""
     link, disk, compute = profile["link"], profile["disk"], profile["compute"]
+    attention = profile["attention"]
     att = "; ".join(
         f"{kernel}: " + ", ".join(f"{t} thr {g:.1f}" for t, g in by_threads.items())
-        for kernel, by_threads in profile["host_attention_gbps"].items()
+        for kernel, by_threads in attention["host"].items()
     )
+    dev = attention["device"]
     prefill, decode = compute["prefill"], compute["decode"]
     pre, dec = prefill["fit"], decode["fit"]
     lines = [
         f"link ({link['kind']}): h2d {link['h2d_gbps']:.1f} GB/s, d2h {link['d2h_gbps']:.1f} "
         f"GB/s, each way with both busy {link['each_way_both_busy_gbps']:.1f} GB/s",
-        f"host attention (K+V read): {att} GB/s",
+        f"host attention (K+V read): {att} GB/s; device ({dev['kernel']}): {dev['gbps']:.1f} GB/s",
         f"disk ({disk['folder']}, O_DIRECT {'yes' if disk['direct'] else 'no'}): write "
         f"{disk['write_gbps']:.2f} GB/s, read {disk['read_gbps']:.2f} GB/s",
         "prefill: "
@@ -185,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-dir", default=None, help="folder for the disk scratch file")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for compute")
     args = parser.parse_args(argv)
-    from kvtier.config import ManagerConfig, TieredCacheConfig
-    from kvtier.engine import Engine, EngineConfig
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -195,18 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = dataclasses.replace(settings, disk_dir=Path(args.disk_dir))
     print_machine(machine_info())
     loaded = load_model(args.model)
-    layout = KVLayout.from_model_config(
-        loaded.model.config, next(loaded.model.parameters()).dtype, CHUNK_TOKENS
-    )
-    longest = max(settings.prefill_tokens) + settings.decode_tokens + 2
-    budget = (longest // layout.chunk_tokens + 2) * layout.chunk_nbytes
-    config = EngineConfig(
-        max_batch_size=1,
-        cache=TieredCacheConfig(device_budget_bytes=budget),
-        manager=ManagerConfig(chunk_tokens=CHUNK_TOKENS),
-    )
-    with Engine(loaded.model, loaded.tokenizer, config, model_id=loaded.model_id) as engine:
-        profile = calibrate(engine, settings)
+    profile = calibrate_model(loaded.model, loaded.tokenizer, loaded.model_id, settings)
     path = save_profile(profile, args.out)
     print(report(profile))
     print(f"wrote {path} ({profile['seconds']:.0f} s)")

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvtier.config import TieredCacheConfig
 from kvtier.engine.admission import Limits, check_fits, check_prompt_length
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.handoff import Handoff
@@ -109,7 +110,8 @@ class Engine:
         attach(model)
         self.metrics = EngineMetrics()
         self._handoff = Handoff(self.config.max_queued, self.config.max_running, self.metrics)
-        cache_device = torch.device(self.config.cache.device or self.device)
+        cache_config = self._placement_rates(model, tokenizer)
+        cache_device = torch.device(cache_config.device or self.device)
         # All layers full attention: the sequences' pools and tails are rows of one slab,
         # so a decode step attends every sequence with one call per layer.
         slab = (
@@ -127,7 +129,7 @@ class Engine:
             return SequenceKV(
                 self.manager,
                 self.spec.windows,
-                self.config.cache,
+                cache_config,
                 cache_device,
                 self.spec.model_type,
                 (slab, seat) if slab is not None else None,
@@ -164,6 +166,25 @@ class Engine:
         gc.freeze()
         self._worker = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._worker.start()
+
+    def _placement_rates(self, model: Any, tokenizer: Any) -> TieredCacheConfig:
+        """The cache config with its cost-model rates: given, or from this machine's
+        profile of the model, or (none yet, placement ``auto``) calibrated now with
+        ``kvtier calibrate --quick``'s settings and saved for the next start."""
+        from kvtier.calibrate import Settings, calibrate_model, save_profile
+        from kvtier.calibrate.rates import ProfileMissingError, resolve_rates
+
+        try:
+            return resolve_rates(self.config.cache, self.model_id)
+        except ProfileMissingError:
+            log.warning(
+                "placement auto: no calibration profile of %s on this machine; calibrating "
+                "now (once; `kvtier calibrate` measures more)",
+                self.model_id,
+            )
+        profile = calibrate_model(model, tokenizer, self.model_id, Settings.quick(), progress=True)
+        log.info("calibration profile written to %s", save_profile(profile))
+        return resolve_rates(self.config.cache, self.model_id)
 
     @classmethod
     def from_pretrained(

@@ -149,7 +149,8 @@ class TieredCache(SelfManagedCache):
     Args:
         model: the causal LM it serves (its config, dtype and device; its attention is
             switched to kvtier's segmented attention, and hooks feed each forward's ids).
-        config: budget, staging, look-ahead, link.
+        config: budget, staging, look-ahead, link, placement (``auto`` without rates
+            reads this machine's calibration profile of the model).
         manager: the host/disk tiers; share one manager between caches (and turns) to
             reuse KV. Default: a private manager with a host tier big enough for 8K tokens.
         model_id: identity of the weights for chunk keys; default
@@ -158,6 +159,7 @@ class TieredCache(SelfManagedCache):
 
     Raises:
         UnsupportedModelError: kvtier cannot run the model exactly (one line: why).
+        ProfileMissingError: placement ``auto`` without rates and no profile here.
     """
 
     def __init__(
@@ -193,6 +195,10 @@ class TieredCache(SelfManagedCache):
             if self.config.device is not None
             else next(model.parameters()).device
         )
+        if self.config.placement == "auto" and self.config.rates is None:
+            from kvtier.calibrate.rates import resolve_rates
+
+            self.config = resolve_rates(self.config, manager.hasher.namespace.model_id)
         self.kv = SequenceKV(
             manager,
             spec.windows,

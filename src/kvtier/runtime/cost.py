@@ -19,6 +19,7 @@ bytes moved). Pure functions of their arguments; thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -55,12 +56,22 @@ def hosted_counter(
 ) -> Callable[[int, int], int] | None:
     """``(group, chunks) -> how many to attend on the host`` for ``config.placement``; None
     for ``stream`` (all stream). The ``auto`` answer depends only on its arguments, so it
-    is computed once per (group, chunks) and kept."""
-    rates = config.rates
+    is computed once per (group, chunks) and kept; a ``config.link`` throttle caps the
+    link rate it assumes.
+
+    Raises:
+        ValueError: ``auto`` without ``config.rates`` (``kvtier.calibrate.resolve_rates``
+            fills them from a profile first).
+    """
     if config.placement == "stream":
         return None
-    if rates is None:  # "host" (the config refuses "auto" without rates)
+    if config.placement == "host":
         return lambda group, chunks: chunks
+    rates = config.rates
+    if rates is None:
+        raise ValueError("placement 'auto' needs rates: run `kvtier calibrate`, or pass rates")
+    if config.link.gbps is not None and config.link.gbps < rates.link_gbps:
+        rates = dataclasses.replace(rates, link_gbps=config.link.gbps)
     chunk_nbytes = [group.layout(layout).chunk_nbytes for group in groups]  # all its layers
 
     @functools.cache

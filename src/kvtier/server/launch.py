@@ -21,6 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvtier.config import (
+    PLACEMENTS,
     WRITE_POLICIES,
     DiskConfig,
     HostConfig,
@@ -121,6 +122,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "write_back: only on eviction or shutdown",
     )
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per KV chunk")
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="stream",
+        help="non-resident KV: stream it to the device, attend it on the host, or auto "
+        "(the cost model, from this machine's `kvtier calibrate` profile)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level")
     return parser.parse_args(argv)
 
@@ -148,7 +156,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_batch_size=args.max_batch_size,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
         runner=args.runner,
-        cache=TieredCacheConfig(device_budget_bytes=args.device_budget_mb * MiB),
+        cache=TieredCacheConfig(
+            device_budget_bytes=args.device_budget_mb * MiB, placement=args.placement
+        ),
         manager=ManagerConfig(
             chunk_tokens=args.chunk_tokens,
             write_policy=args.write_policy,
