@@ -15,4 +15,6 @@ BENCHMARKS = (
     "peers",
     "kernel_choice",
     "profile_step",
+    "librarian",
+    "flood",
 )

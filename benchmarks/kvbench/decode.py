@@ -22,6 +22,7 @@ Greedy tokens are compared with the resident baseline's before any speed is repo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +45,13 @@ from kvbench.setup import (
     setup_device,
     use_stock_attention,
 )
-from kvtier.config import HostConfig, LinkConfig, ManagerConfig, TieredCacheConfig
+from kvtier.config import (
+    HostConfig,
+    LinkConfig,
+    ManagerConfig,
+    PlacementRates,
+    TieredCacheConfig,
+)
 from kvtier.hf.cache import TieredCache
 from kvtier.hf.generate import prefill
 from kvtier.kv.layout import KVLayout
@@ -135,17 +142,20 @@ def decode_tiered(
     gbps: float | None,
     prefetch: bool,
     staging_bytes: int = STAGING_BYTES,
-    on_host: bool = False,
+    placement: str = "stream",
+    rates: PlacementRates | None = None,
 ) -> DecodeRun:
-    """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode
-    (``on_host``: the chunks past the budget attended in the host pool, not streamed)."""
+    """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode.
+    ``placement`` (and ``rates`` for ``auto``) say where the chunks past the budget are
+    attended; the run records the chunk reads by decision."""
     start_allocated = allocated_nbytes(work.device)
     config = TieredCacheConfig(
         device_budget_bytes=budget_bytes,
         staging_bytes=staging_bytes,
         prefetch=prefetch,
         link=LinkConfig(gbps=gbps),
-        placement="host" if on_host else "stream",
+        placement=placement,
+        rates=rates,
     )
     cache = TieredCache(work.model, config, manager=manager, model_id=work.bench.model_id)
     try:
@@ -164,7 +174,8 @@ def decode_tiered(
             streamer=clock,
             **work.greedy_kwargs(),
         )
-        return clock.run(out, ids.shape[1], reused)
+        run = clock.run(out, ids.shape[1], reused)
+        return dataclasses.replace(run, decided_chunks=cache.stats().decided_chunks)
     finally:
         cache.close()
 
@@ -342,7 +353,7 @@ def run(
             case.gbps,
             case.prefetch,
             case.staging_bytes,
-            case.on_host,
+            "host" if case.on_host else "stream",
         )
 
     runs: dict[str, list[DecodeRun]] = {c.name: [] for c in cases}

@@ -56,6 +56,8 @@ class DecodeRun:
         tokens: the generated ids.
         reused_tokens: prompt tokens adopted from the tiers.
         peak_extra_nbytes: peak device bytes during decode above the run's start (CUDA only).
+        decided_chunks: kvtier's chunk reads of the whole run by decision (empty for
+            baselines).
     """
 
     step_s: float
@@ -64,6 +66,7 @@ class DecodeRun:
     tokens: list[int] = field(default_factory=list)
     reused_tokens: int = 0
     peak_extra_nbytes: int | None = None
+    decided_chunks: dict[str, int] = field(default_factory=dict)
 
 
 class StepClock(TokenClock):

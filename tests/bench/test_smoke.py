@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench import multiturn, serve
+from kvbench import flood, multiturn, serve
 from tests.engine.tiny import embedded_tokenizer, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -70,3 +70,32 @@ def test_multiturn_reuses_each_users_history(tiny_folder: Path, tmp_path: Path) 
     assert summary["reused_tokens_by_tier_round2"] == {"host": 512}
     assert summary["ttft_speedup_round2"] > 0
     assert [t["round"] for t in result["cases"]["turns"]] == [1, 1, 2, 2]
+
+
+def test_a_flood_of_long_prompts_gets_200s_and_429s_and_the_server_serves_on(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    """A real ``kvtier serve`` with a 1 s queue bound: the flood's answers are 200 or 429
+    with a ``Retry-After``, some of each; memory stays within the tiers it was given; the
+    steady load after it is served in full."""
+    settings = flood.Settings(
+        host_mb=64,
+        device_budget_mb=4,
+        max_batch_size=4,
+        max_queue_s=1.0,
+        chunk_tokens=16,
+        steady=4,
+        clients=2,
+        steady_tokens=8,
+        flood=24,
+        flood_words=1200,
+        flood_tokens=48,
+    )
+    result = flood.run(str(tiny_folder), settings, tmp_path, seed=0)
+    summary = result["summary"]
+    assert summary["only_200_or_429"] and summary["every_429_has_retry_after"]
+    assert summary["served"] > 0 and summary["refused"] > 0, result["flood"]
+    assert summary["memory_within_budgets"], result["memory"]
+    assert result["after"]["statuses"] == [200]
+    assert result["after"]["output_tokens"] == settings.steady * settings.steady_tokens
+    assert summary["server_exit_code"] == 0

@@ -14,6 +14,7 @@ from kvtier.engine import Engine, EngineClosedError, QueueFullError, SamplingPar
 from kvtier.engine.handoff import Handoff, Occupancy
 from kvtier.engine.metrics import EngineMetrics
 from kvtier.engine.request import Request, RequestHandle
+from kvtier.engine.work import WorkModel
 from tests.engine.tiny import CHUNK, engine_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -87,6 +88,40 @@ def test_the_handoff_bound_counts_what_the_scheduler_holds() -> None:
     handoff.put(c)
     assert metrics.stats(0, 0, None, None).requests_submitted == 3
     assert metrics.stats(0, 0, None, None).requests_rejected == 1
+
+
+def test_admission_by_cost_refuses_what_would_not_drain_in_time_and_says_when() -> None:
+    """At 10 ms per prompt token and 100 ms per output token, each 3-token, 16-token
+    request is predicted at 1.63 s; a 5 s bound takes three, the fourth waits."""
+    work = WorkModel()
+    work.seed(0.01, 0.1)
+    handoff = Handoff(8, 1, EngineMetrics(), work, max_queue_s=5.0)
+    first = handle("a")
+    handoff.put(first)
+    assert first.predicted_s == pytest.approx(0.03 + 1.6)
+    handoff.put(handle("b"))
+    handoff.put(handle("c"))
+    with pytest.raises(QueueFullError, match="predicted to take 5 s") as refused:
+        handoff.put(handle("d"))
+    assert refused.value.retry_after_s == 2  # ceil(4.89 + 1.63 - 5)
+    handoff.take()
+    handoff.publish(waiting=[], running=[], resuming=[])  # every one of them done
+    big = RequestHandle(Request("e", tuple(range(1, 2001)), SamplingParams(max_tokens=16)))
+    handoff.put(big)  # nothing ahead: taken, however long it is predicted to take
+    assert big.predicted_s > 5.0
+
+
+def test_the_work_model_follows_the_steps() -> None:
+    work = WorkModel()
+    work.seed(0.001, 0.05)
+    for _ in range(50):
+        work.observe_step(0, 4, 0.08)  # 20 ms per decode row
+    for _ in range(50):
+        work.observe_step(100, 4, 0.28)  # 0.2 s of prefill for 100 tokens
+    prefill_s, decode_s = work.rates
+    assert decode_s == pytest.approx(0.02, rel=1e-3)
+    assert prefill_s == pytest.approx(0.002, rel=1e-3)
+    assert work.predict_s(1000, 10) == pytest.approx(2.2, rel=1e-3)
 
 
 def test_the_handoff_close_cancels_and_kill_returns_every_request() -> None:

@@ -146,3 +146,38 @@ def test_auto_splits_a_pass_and_the_tokens_stay_exact() -> None:
     decided = cache.stats().decided_chunks
     assert decided["host"] > 0 and decided["stream"] > 0  # both, balanced per pass
     assert abs(decided["host"] - decided["stream"]) <= decided["host"] // 2
+
+
+def test_every_decision_is_counted_with_its_predicted_and_measured_seconds() -> None:
+    model = random_model("llama", seed=4)
+    layout = KVLayout.from_model_config(model.config, torch.float32, 16)
+    rates = PlacementRates(
+        link_gbps=10, host_attention_gbps=10, device_attention_gbps=1e6, concurrent=True
+    )
+    config = TieredCacheConfig(
+        device_budget_bytes=2 * layout.chunk_nbytes,
+        staging_bytes=2 * layout.layer_nbytes,
+        placement="auto",
+        rates=rates,
+        link=LinkConfig(gbps=5),
+    )
+    ids = torch.randint(3, 256, (1, 150), generator=torch.Generator().manual_seed(3))
+    cache = TieredCache(model, config, chunk_tokens=16)
+    with torch.no_grad():
+        model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
+    stats = cache.stats()
+    cache.close()
+    host, stream = stats.decisions["host"], stats.decisions["stream"]
+    assert host.nbytes == host.chunks * layout.chunk_nbytes  # one group: all layers
+    assert host.predicted_s == pytest.approx(host.nbytes / 10e9)
+    assert stream.predicted_s == pytest.approx(stream.nbytes / 5e9)  # the throttle
+    assert host.measured_s is not None and host.measured_s > 0
+    assert stream.measured_s == stats.link.busy_s > 0
+    assert stats.decisions["resident"].predicted_s is None
+    assert stats.decided_chunks == {d: c.chunks for d, c in stats.decisions.items()}
+    table = stats.table()
+    assert "predicted s" in table and "measured s" in table
+    assert any(
+        line.startswith("host") and line.split()[1] == str(host.chunks)
+        for line in table.splitlines()
+    )

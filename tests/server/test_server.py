@@ -228,6 +228,15 @@ def test_metrics_expose_tiers_links_queue_and_latency(server: ServerThread) -> N
         assert name in text, name
 
 
+def test_metrics_count_the_chunk_reads_by_decision(server: ServerThread) -> None:
+    prompt = " ".join(f"word{i}" for i in range(120))  # several sealed chunks
+    server.client().completions.create(model=NAME, prompt=prompt, max_tokens=3)
+    _, text = server.request("GET", "/metrics", key="")
+    line = next(x for x in text.splitlines() if x.startswith("kvtier_decision_chunks_total{"))
+    assert float(line.split()[-1]) > 0
+    assert 'kvtier_decision_bytes_total{decision="' in text
+
+
 CLIENTS = 64
 
 

@@ -1,8 +1,9 @@
 """The cost model's rates (``kvtier.config.PlacementRates``) from a calibration profile.
 
 ``placement_rates`` reads a profile (``kvtier.calibrate.calibrate``'s dict) and returns the
-rates ``placement="auto"`` chooses from; ``resolve_rates`` fills a ``TieredCacheConfig``'s
-missing rates from this machine's profile of a model. Pure functions of their arguments
+rates ``placement="auto"`` chooses from (and the stats predict costs with);
+``resolve_rates`` fills a ``TieredCacheConfig``'s missing rates from this machine's profile
+of a model. Pure functions of their arguments
 (``resolve_rates`` also reads the profile file); thread-safe.
 """
 
@@ -57,16 +58,20 @@ def resolve_rates(
     model_id: str,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> TieredCacheConfig:
-    """``config`` with ``rates`` from this machine's profile of ``model_id`` where
-    ``placement`` is ``auto`` and no rates were given; otherwise ``config`` itself.
+    """``config`` with ``rates`` from this machine's profile of ``model_id`` when none were
+    given (with them the stats predict every decision's cost; ``auto`` chooses from them);
+    ``config`` itself when it has rates, or has no profile and does not need one.
 
     Raises:
-        ProfileMissingError: no profile matches this machine and model.
+        ProfileMissingError: ``placement`` is ``auto`` and no profile matches this machine
+            and model.
     """
-    if config.placement != "auto" or config.rates is not None:
+    if config.rates is not None:
         return config
     profile = load_profile(model_id, cache_dir)
     if profile is None:
+        if config.placement != "auto":
+            return config
         raise ProfileMissingError(
             f"placement 'auto' needs this machine's rates for model {model_id}: run "
             "`kvtier calibrate` (with --model for another model), or pass rates"

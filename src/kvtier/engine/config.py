@@ -15,6 +15,10 @@ class EngineConfig:
     Attributes:
         max_queued: requests waiting for admission (the running one not counted); a
             ``submit`` beyond this raises ``QueueFullError``.
+        max_queue_s: admission by cost: a ``submit`` whose predicted engine seconds,
+            with those of every request queued or running ahead of it, exceed this
+            raises ``QueueFullError`` with a retry after the predicted drain time
+            (``kvtier.engine.work``). None: only ``max_queued`` bounds the queue.
         max_model_len: longest sequence (prompt + output) accepted; None takes the model
             config's ``max_position_embeddings``.
         cache: the per-sequence device cache (device budget, staging, device⇄host link).
@@ -43,6 +47,7 @@ class EngineConfig:
     """
 
     max_queued: int = 64
+    max_queue_s: float | None = None
     max_model_len: int | None = None
     cache: TieredCacheConfig = field(
         default_factory=lambda: TieredCacheConfig(device_budget_bytes=128 * MiB)
@@ -83,6 +88,7 @@ class EngineConfig:
         check_int("prefill_tokens_per_step", self.prefill_tokens_per_step, 1, none="one chunk")
         check_number("preempt_after_s", self.preempt_after_s, 0, none="never")
         check_int("max_queued", self.max_queued, 1)
+        check_number("max_queue_s", self.max_queue_s, 0, none="no bound")
         check_int("max_model_len", self.max_model_len, 2, none="the model's")
         if self.runner not in ("auto", "kvtier", "transformers"):
             raise ValueError(

@@ -44,6 +44,7 @@ from kvtier.engine.runner import make_runner
 from kvtier.engine.sampling import eos_ids
 from kvtier.engine.scheduler import BatchScheduler
 from kvtier.engine.stats import EngineStats
+from kvtier.engine.work import WorkModel
 from kvtier.hf import attach, model_spec
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
@@ -109,7 +110,13 @@ class Engine:
         self.manager = manager
         attach(model)
         self.metrics = EngineMetrics()
-        self._handoff = Handoff(self.config.max_queued, self.config.max_running, self.metrics)
+        self._handoff = Handoff(
+            self.config.max_queued,
+            self.config.max_running,
+            self.metrics,
+            WorkModel(),
+            self.config.max_queue_s,
+        )
         cache_config = self._placement_rates(model, tokenizer)
         cache_device = torch.device(cache_config.device or self.device)
         # All layers full attention: the sequences' pools and tails are rows of one slab,

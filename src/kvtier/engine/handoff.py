@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvtier.engine.metrics import EngineMetrics
 from kvtier.engine.request import EngineClosedError, QueueFullError, RequestHandle
+from kvtier.engine.work import WorkModel
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,26 @@ class Handoff:
         max_running: sequences that may run at once (for the retry estimate).
         metrics: counts ``submitted`` and ``rejected``, under this object's lock, so a
             request is counted before the worker can see it.
+        work: predicts each request's engine seconds (``kvtier.engine.work``).
+        max_queue_s: admission by cost: a ``put`` whose predicted seconds, with those of
+            every request queued, running or resuming, exceed this raises
+            ``QueueFullError`` (a request with nothing ahead of it is always taken).
+            None: no bound.
     """
 
-    def __init__(self, max_queued: int, max_running: int, metrics: EngineMetrics) -> None:
+    def __init__(
+        self,
+        max_queued: int,
+        max_running: int,
+        metrics: EngineMetrics,
+        work: WorkModel | None = None,
+        max_queue_s: float | None = None,
+    ) -> None:
         self.max_queued = max_queued
         self.max_running = max_running
         self.metrics = metrics
+        self.work = work or WorkModel()
+        self.max_queue_s = max_queue_s
         self._cond = threading.Condition()
         self._pending: deque[RequestHandle] = deque()  # put, not yet taken by the worker
         self._waiting: list[RequestHandle] = []  # taken; in the scheduler's waiting line
@@ -68,8 +83,11 @@ class Handoff:
 
         Raises:
             EngineClosedError: the engine is closing, or its worker died.
-            QueueFullError: ``max_queued`` requests already wait (with a retry estimate).
+            QueueFullError: ``max_queued`` requests already wait, or the work ahead and
+                its own would take longer than ``max_queue_s`` (with a retry estimate).
         """
+        request = handle.request
+        handle.predicted_s = self.work.predict_s(len(request.prompt_ids), request.params.max_tokens)
         with self._cond:
             if self._dead is not None:
                 raise EngineClosedError(f"the engine's worker died ({self._dead})")
@@ -82,6 +100,8 @@ class Handoff:
                     f"the request queue is full ({self.max_queued} waiting); retry later",
                     self._retry_after_s(queued),
                 )
+            if self.max_queue_s is not None:
+                self._check_cost(handle.predicted_s, self.max_queue_s)
             self._pending.append(handle)
             self.metrics.add("submitted")
             self._cond.notify_all()
@@ -169,6 +189,21 @@ class Handoff:
     def _cancel_all(self) -> None:
         for handle in (*self._pending, *self._waiting, *self._running, *self._resuming):
             handle.cancel()
+
+    def _check_cost(self, predicted_s: float, max_queue_s: float) -> None:
+        """Refuse a request whose predicted seconds, after the work ahead, exceed the
+        bound; the retry comes when the work ahead has drained enough to take it."""
+        lines = (self._pending, self._waiting, self._running, self._resuming)
+        ahead_s = sum(h.predicted_s for line in lines for h in line)
+        if ahead_s == 0 or ahead_s + predicted_s <= max_queue_s:
+            return
+        self.metrics.add("rejected")
+        raise QueueFullError(
+            f"the server is at capacity: the requests ahead are predicted to take "
+            f"{ahead_s:.0f} s and this one {predicted_s:.1f} s, more than the "
+            f"{max_queue_s:g} s queue bound; retry later",
+            max(1, min(600, math.ceil(ahead_s + predicted_s - max_queue_s))),
+        )
 
     def _retry_after_s(self, queued: int) -> int:
         """Seconds until the queue has likely moved on by one admission (for 429s)."""

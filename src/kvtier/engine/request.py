@@ -225,11 +225,14 @@ class RequestHandle:
     Attributes:
         request: the request.
         reused_tokens: prompt tokens adopted from the tiers; set before the first event.
+        predicted_s: its predicted engine seconds, set when it is queued (admission by
+            cost, ``kvtier.engine.handoff``).
     """
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.reused_tokens = 0
+        self.predicted_s = 0.0
         self._cond = threading.Condition()
         self._events: deque[TokenEvent] = deque()
         self._done = False

@@ -20,8 +20,8 @@ import torch
 from kvtier import native
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.sequence import Piece, Sequence
-from kvtier.hf import PackedCache
-from kvtier.runtime import SequenceKV, begin_packed
+from kvtier.hf import PackedCache, begin_packed
+from kvtier.runtime import SequenceKV
 
 RUNNERS = ("auto", "kvtier", "transformers")
 """``EngineConfig.runner``: ``auto`` takes kvtier's own forward where the architecture has

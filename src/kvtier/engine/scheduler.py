@@ -6,11 +6,14 @@ Every ``step`` reads schedule → run → postprocess:
 1. **schedule**: end cancelled sequences; start disk → host prefetches for the first
    waiting sequences' cached chunks (their one prefix match, kept on the sequence); admit
    the oldest waiting sequences while a cache is free (each running sequence holds one
-   ``SequenceKV`` of ``cache.device_budget_bytes``), preempting when due
+   ``SequenceKV`` of ``cache.device_budget_bytes``) and the host tier holds the sealed
+   chunks of all of them at their longest, preempting when due
    (``kvtier.engine.policy``); then pick the step's pieces: the next prefill
    piece (whole chunks) of the oldest admitted sequences still prefilling (one chunk, or up
    to ``prefill_tokens_per_step`` tokens), and the last token of every decoding sequence.
-2. **run**: one forward over those pieces packed in one row (``kvtier.engine.runner``).
+2. **run**: one forward over those pieces packed in one row (``kvtier.engine.runner``),
+   timed: the work model (``kvtier.engine.work``) that admission predicts with learns
+   from it.
 3. **postprocess**: sample each row with its own parameters and generator, stream the
    token, finish or keep each sequence (``kvtier.engine.postprocess``).
 
@@ -95,10 +98,22 @@ class BatchScheduler:
         self.running: list[Sequence] = []
         self.preempted: deque[Sequence] = deque()  # waiting to resume, oldest first
         self.caches = CachePool(new_cache, self.max_running, self._piece_chunks)
+        self.host_slots = manager.host.num_slots
         tokens = max(self.prefill_budget_tokens, self._piece_chunks * self.chunk_tokens)
-        runner.warm_up(tokens + self.max_running)  # the largest step
+        self._warm_up(tokens + self.max_running)
         self._admissions = itertools.count()
         self._steps = 0
+
+    def _warm_up(self, largest: int) -> None:
+        """The largest step once (the allocator then holds its buffers) and a step of one
+        token per seat; their times seed the work model that admission predicts with."""
+        start = time.perf_counter()
+        self.runner.warm_up(largest)
+        prefill_s = (time.perf_counter() - start) / largest
+        start = time.perf_counter()
+        self.runner.warm_up(self.max_running)
+        decode_s = (time.perf_counter() - start) / self.max_running
+        self.handoff.work.seed(prefill_s, decode_s)
 
     @property
     def busy(self) -> bool:
@@ -122,11 +137,15 @@ class BatchScheduler:
         work = self._schedule()
         if not work:
             return
+        start = time.perf_counter()
         try:
             out = self.runner.run(work)
         except Exception as exc:
             self._step_failed([piece.seq for piece in work], exc)
             return
+        decode_rows = sum(1 for piece in work if piece.seq.decoding)
+        prefill_tokens = sum(p.stop - p.start for p in work if not p.seq.decoding)
+        self.handoff.work.observe_step(prefill_tokens, decode_rows, time.perf_counter() - start)
         for piece in work:
             piece.seq.suspect = False
         self._postprocess(out)
@@ -157,12 +176,25 @@ class BatchScheduler:
                 break  # a sequence under suspicion runs alone
             if len(self.running) >= self.max_running and not self._preempt_for(seq):
                 break
+            if self.running and not self._host_holds(seq):
+                break  # it waits until running sequences leave room in the host tier
             if self.preempted and self.preempted[0] is seq:
                 self.preempted.popleft()
             else:
                 self.waiting.popleft()
             self._admit(seq)
         return self._pieces()
+
+    def _host_holds(self, seq: Sequence) -> bool:
+        """The host tier holds the sealed chunks of every running sequence and ``seq`` at
+        their longest (prompt plus ``max_tokens``): admitted together they do not evict
+        each other's KV (which would be recomputed)."""
+
+        def chunks(s: Sequence) -> int:
+            request = s.handle.request
+            return (len(request.prompt_ids) + request.params.max_tokens) // self.chunk_tokens
+
+        return sum(chunks(s) for s in self.running) + chunks(seq) <= self.host_slots
 
     def _drop_cancelled(self) -> None:
         """End the sequences whose client cancelled (or went away), wherever they are."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvtier.hf.attention import ATTENTION_NAME, attach, register
 from kvtier.hf.cache import ModelSpec, TieredCache, model_spec
-from kvtier.hf.packed import PackedCache
+from kvtier.hf.packed import PackedCache, begin_packed
 
 __all__ = [
     "ATTENTION_NAME",
@@ -17,6 +17,7 @@ __all__ = [
     "PackedCache",
     "TieredCache",
     "attach",
+    "begin_packed",
     "model_spec",
     "register",
 ]

@@ -195,7 +195,7 @@ class TieredCache(SelfManagedCache):
             if self.config.device is not None
             else next(model.parameters()).device
         )
-        if self.config.placement == "auto" and self.config.rates is None:
+        if self.config.rates is None:  # this machine's profile of the model, if any
             from kvtier.calibrate.rates import resolve_rates
 
             self.config = resolve_rates(self.config, manager.hasher.namespace.model_id)

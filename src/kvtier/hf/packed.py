@@ -21,7 +21,24 @@ from typing import Any
 import torch
 
 from kvtier.hf.cache import FacadeLayer, SelfManagedCache
-from kvtier.runtime import PackedKV, SequenceKV, begin_packed
+from kvtier.runtime import PackedKV, SequenceKV
+
+
+def begin_packed(
+    kvs: Sequence[SequenceKV], spans: Sequence[tuple[int, int]], ids: torch.Tensor | None
+) -> None:
+    """Begin one pass per sequence packed in one row: span ``(start, length)`` of the
+    packed ids ``[1, N]`` (None: unknown) for each. All or none: when one raises
+    (``ChunkLostError``), the passes begun before it are dropped again."""
+    begun: list[SequenceKV] = []
+    try:
+        for (start, count), kv in zip(spans, kvs, strict=True):
+            kv.begin_forward(count, 1, ids[:, start : start + count] if ids is not None else None)
+            begun.append(kv)
+    except BaseException:
+        for kv in begun:
+            kv.drop_forward()
+        raise
 
 
 class PackedCache(SelfManagedCache):

@@ -14,7 +14,7 @@ from kvtier.runtime.dispatch import attend, attend_packed
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ChunkRange, Decision, ForwardPlan
 from kvtier.runtime.seats import SeatSlab
-from kvtier.runtime.sequence import SequenceKV, begin_packed, prefix_limit
+from kvtier.runtime.sequence import SequenceKV, prefix_limit
 from kvtier.runtime.stats import CacheStats
 from kvtier.runtime.view import LayerKV, PackedKV
 
@@ -31,7 +31,6 @@ __all__ = [
     "SequenceKV",
     "attend",
     "attend_packed",
-    "begin_packed",
     "layer_groups",
     "prefix_limit",
 ]

@@ -9,6 +9,8 @@ measured rates (``kvtier.config.PlacementRates``; ``kvtier calibrate`` measures 
 
 - streamed bytes ``S = (n - k) b`` take ``S / link`` on the link, overlapped with the
   device's work ``compute + S / device attention`` (prefetch runs ahead of the layers);
+  where the device is the host's own CPU (not ``concurrent``) the copy is traffic on the
+  one memory the compute reads, ``S / measured link`` more, however the link is throttled;
 - hosted bytes ``H = k b`` take ``H / host attention``, beside the device's work where the
   host has cores of its own (``concurrent``: a GPU server), after it where the device is
   the host's own cores (a CPU-only machine).
@@ -19,7 +21,6 @@ bytes moved). Pure functions of their arguments; thread-safe.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -28,24 +29,36 @@ from kvtier.kv.layout import KVLayout
 from kvtier.runtime.groups import LayerGroup
 
 
-def predict_s(rates: PlacementRates, streamed_nbytes: int, hosted_nbytes: int) -> float:
-    """Predicted seconds of a pass that streams and host-attends these many bytes."""
-    link_s = streamed_nbytes / (rates.link_gbps * 1e9)
+def predict_s(
+    rates: PlacementRates,
+    streamed_nbytes: int,
+    hosted_nbytes: int,
+    throttle_gbps: float | None = None,
+) -> float:
+    """Predicted seconds of a pass that streams and host-attends these many bytes, over a
+    link throttled to ``throttle_gbps`` (None: its measured rate)."""
+    link_gbps = rates.link_gbps if throttle_gbps is None else min(rates.link_gbps, throttle_gbps)
+    link_s = streamed_nbytes / (link_gbps * 1e9)
     device_s = rates.compute_s + streamed_nbytes / (rates.device_attention_gbps * 1e9)
     host_s = hosted_nbytes / (rates.host_attention_gbps * 1e9)
     if rates.concurrent:
         return max(link_s, device_s, host_s)
-    return max(link_s, device_s + host_s)
+    # One memory for "device" and host: the copy itself (at the memory's own rate, however
+    # the link is throttled) is traffic the compute waits behind.
+    copy_s = streamed_nbytes / (rates.link_gbps * 1e9)
+    return max(link_s, device_s + copy_s + host_s)
 
 
-def choose_hosted(chunks: int, chunk_nbytes: int, rates: PlacementRates) -> int:
+def choose_hosted(
+    chunks: int, chunk_nbytes: int, rates: PlacementRates, throttle_gbps: float | None = None
+) -> int:
     """How many of ``chunks`` non-resident chunks (``chunk_nbytes`` each, all the layers a
-    pass reads of them) to attend on the host; the rest stream."""
+    pass reads of them) to attend on the host; the rest stream (see ``predict_s``)."""
     if chunks < 0 or chunk_nbytes < 0:
         raise ValueError(f"chunks and chunk_nbytes must be >= 0, got {chunks}, {chunk_nbytes}")
     best_k, best_s = 0, float("inf")
     for k in range(chunks + 1):
-        predicted = predict_s(rates, (chunks - k) * chunk_nbytes, k * chunk_nbytes)
+        predicted = predict_s(rates, (chunks - k) * chunk_nbytes, k * chunk_nbytes, throttle_gbps)
         if predicted <= best_s * (1 + 1e-9):
             best_k, best_s = k, predicted
     return best_k
@@ -57,7 +70,7 @@ def hosted_counter(
     """``(group, chunks) -> how many to attend on the host`` for ``config.placement``; None
     for ``stream`` (all stream). The ``auto`` answer depends only on its arguments, so it
     is computed once per (group, chunks) and kept; a ``config.link`` throttle caps the
-    link rate it assumes.
+    link rate it assumes (``predict_s``'s ``throttle_gbps``).
 
     Raises:
         ValueError: ``auto`` without ``config.rates`` (``kvtier.calibrate.resolve_rates``
@@ -70,12 +83,11 @@ def hosted_counter(
     rates = config.rates
     if rates is None:
         raise ValueError("placement 'auto' needs rates: run `kvtier calibrate`, or pass rates")
-    if config.link.gbps is not None and config.link.gbps < rates.link_gbps:
-        rates = dataclasses.replace(rates, link_gbps=config.link.gbps)
+    throttle = config.link.gbps
     chunk_nbytes = [group.layout(layout).chunk_nbytes for group in groups]  # all its layers
 
     @functools.cache
     def count(group: int, chunks: int) -> int:
-        return choose_hosted(chunks, chunk_nbytes[group], rates)
+        return choose_hosted(chunks, chunk_nbytes[group], rates, throttle)
 
     return count

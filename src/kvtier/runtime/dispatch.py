@@ -13,6 +13,7 @@ state.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -312,11 +313,21 @@ def _on_host(
     hosted: Hosted, query: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> SegmentResult:
     """``query [B, Hq, Sq, D]`` over the chunks attended in the host pool, computed where
-    they lie: the query goes to the host, the output and log-sum-exp come back.
+    they lie: the query goes to the host, the output and log-sum-exp come back. The wall
+    seconds (transfers included) go to ``hosted.spent``."""
+    start = time.perf_counter()
+    result = _host_attention(hosted, query, scale, mask)
+    if hosted.spent is not None:
+        hosted.spent(time.perf_counter() - start)
+    return result
 
-    A few unmasked queries of one sequence on a float32 CPU pool take kvtier's
-    ``attend_slots`` kernel, which reads the pinned slots in place; the rest gather the
-    slots (a copy in host memory) and take ``attend_segment``."""
+
+def _host_attention(
+    hosted: Hosted, query: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> SegmentResult:
+    """``_on_host``'s work. A few unmasked queries of one sequence on a float32 CPU pool
+    take kvtier's ``attend_slots`` kernel, which reads the pinned slots in place; the rest
+    gather the slots (a copy in host memory) and take ``attend_segment``."""
     pool = hosted.host.pool
     host = pool.device
     ops = native.ops() if host.type == "cpu" and pool.dtype == torch.float32 else None

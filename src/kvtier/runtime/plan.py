@@ -274,9 +274,16 @@ def _raise_lost(
     )
 
 
-def hosted_view(plan: ForwardPlan, group: int, layer_idx: int, host: PoolTier) -> Hosted | None:
+def hosted_view(
+    plan: ForwardPlan,
+    group: int,
+    layer_idx: int,
+    host: PoolTier,
+    spent: Callable[[float], None] | None = None,
+) -> Hosted | None:
     """Layer ``layer_idx``'s chunks of group ``group`` attended on the host (their pinned
-    host slots); None when the group has none."""
+    host slots; ``spent`` is told the seconds each host call takes); None when the group
+    has none."""
     hosted = plan.hosted[group] if plan.hosted else []
     if not hosted:
         return None
@@ -286,6 +293,7 @@ def hosted_view(plan: ForwardPlan, group: int, layer_idx: int, host: PoolTier) -
         slot_index=plan.hosted_index[group],
         chunks=tuple(chunk for _, _, chunk in hosted),
         valid=plan.hosted_valid[group],
+        spent=spent,
     )
 
 

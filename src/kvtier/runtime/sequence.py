@@ -17,7 +17,6 @@ Thread-safety: one pass at a time, from one thread; the tiers below may be share
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +30,8 @@ from kvtier.runtime import reuse
 from kvtier.runtime.arena import DeviceArena
 from kvtier.runtime.cost import hosted_counter
 from kvtier.runtime.groups import LayerGroup, layer_groups
-from kvtier.runtime.plan import Decision, ForwardPlan, hosted_view, plan_forward, release
+from kvtier.runtime.ledger import Ledger
+from kvtier.runtime.plan import ForwardPlan, hosted_view, plan_forward, release
 from kvtier.runtime.seats import SeatSlab
 from kvtier.runtime.staging import StagingRing
 from kvtier.runtime.state import SequenceState
@@ -46,23 +46,6 @@ def prefix_limit(num_tokens: int, chunk_tokens: int) -> int:
     """The most tokens of a ``num_tokens`` prompt a prefix hit can cover: whole chunks,
     leaving at least the last token to compute (the model needs it for the logits)."""
     return ((num_tokens - 1) // chunk_tokens) * chunk_tokens
-
-
-def begin_packed(
-    kvs: Sequence[SequenceKV], spans: Sequence[tuple[int, int]], ids: torch.Tensor | None
-) -> None:
-    """Begin one pass per sequence packed in one row: span ``(start, length)`` of the
-    packed ids ``[1, N]`` (None: unknown) for each. All or none: when one raises
-    (``ChunkLostError``), the passes begun before it are dropped again."""
-    begun: list[SequenceKV] = []
-    try:
-        for (start, count), kv in zip(spans, kvs, strict=True):
-            kv.begin_forward(count, 1, ids[:, start : start + count] if ids is not None else None)
-            begun.append(kv)
-    except BaseException:
-        for kv in begun:
-            kv.drop_forward()
-        raise
 
 
 class SequenceKV:
@@ -111,8 +94,12 @@ class SequenceKV:
         self.reused_tokens = 0
         self.sealed_chunks = 0
         self.peak_device_nbytes = 0
-        self.decided_chunks: Counter[Decision] = Counter()  # chunk x pass, by decision
         self._hosted_count = hosted_counter(config, self.layout, self.groups)
+        self.ledger = Ledger(
+            [g.layout(self.layout).chunk_nbytes for g in self.groups],
+            config.rates,
+            config.link.gbps,
+        )
 
     @property
     def seq_len(self) -> int:
@@ -159,7 +146,7 @@ class SequenceKV:
         self.plan = plan
         staging.start(plan.pieces)
         self.peak_device_nbytes = max(self.peak_device_nbytes, self.device_nbytes)
-        self.decided_chunks.update({r.decision: r.stop - r.start for r in plan.ranges})
+        self.ledger.record(plan.ranges)
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> LayerKV:
         """Keep one layer's new K/V ``[B, Hkv, N, D]`` and return what its attention reads.
@@ -228,7 +215,7 @@ class SequenceKV:
             ),
             staging=staging,
             query_block_tokens=self.config.query_block_tokens,
-            hosted=hosted_view(plan, g, layer_idx, self.host),
+            hosted=hosted_view(plan, g, layer_idx, self.host, self.ledger.host_spent),
         )
 
     def end_forward(self) -> None:
@@ -346,17 +333,18 @@ class SequenceKV:
 
     def stats(self) -> CacheStats:
         staging = self.staging
+        link = staging.stats() if staging is not None else LinkStats()
         return CacheStats(
             device=self.arena.stats() if self.arena.pools else TierStats(),
             host=self.host.stats(),
-            link=staging.stats() if staging is not None else LinkStats(),
+            link=link,
             link_description=staging.describe() if staging is not None else "idle",
             device_budget_bytes=self.config.device_budget_bytes,
             device_nbytes=self.device_nbytes,
             staging_nbytes=self.staging_nbytes,
             reused_tokens=self.reused_tokens,
             sealed_chunks=self.sealed_chunks,
-            decided_chunks={d.value: n for d, n in self.decided_chunks.items()},
+            decisions=self.ledger.snapshot(link.busy_s),
         )
 
     def close(self) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.runtime.ledger import DecisionCost
 from kvtier.tiers.base import TierStats
 from kvtier.transfer import LinkStats
 
@@ -23,8 +23,12 @@ class CacheStats:
     staging_nbytes: int
     reused_tokens: int
     sealed_chunks: int
-    decided_chunks: dict[str, int] = field(default_factory=dict)  # Decision value -> chunks
-    # read that way, summed over passes (a chunk read by 10 passes counts 10)
+    decisions: dict[str, DecisionCost] = field(default_factory=dict)  # by Decision value
+
+    @property
+    def decided_chunks(self) -> dict[str, int]:
+        """Chunk reads by decision, summed over passes (a chunk read by 10 passes: 10)."""
+        return {name: cost.chunks for name, cost in self.decisions.items()}
 
     @classmethod
     def total(cls, items: Sequence[CacheStats]) -> CacheStats:
@@ -42,7 +46,7 @@ class CacheStats:
             staging_nbytes=sum(c.staging_nbytes for c in items),
             reused_tokens=sum(c.reused_tokens for c in items),
             sealed_chunks=sum(c.sealed_chunks for c in items),
-            decided_chunks=dict(sum((Counter(c.decided_chunks) for c in items), Counter())),
+            decisions=DecisionCost.total(c.decisions for c in items),
         )
 
     def table(self) -> str:
@@ -65,7 +69,18 @@ class CacheStats:
             f"{self.device_budget_bytes / 1e6:.1f} MB budget, + {self.staging_nbytes / 1e6:.1f} "
             f"MB staging; {self.reused_tokens} prompt tokens reused"
         )
-        if self.decided_chunks:
-            reads = ", ".join(f"{n} {d}" for d, n in sorted(self.decided_chunks.items()))
-            rows.append(f"chunk reads by decision (chunks x passes): {reads}")
+        if self.decisions:
+            rows.append(
+                f"{'decision':<10}{'chunk reads':>12}{'MB':>10}{'predicted s':>13}"
+                f"{'measured s':>12}"
+            )
+            for name, cost in sorted(self.decisions.items()):
+                rows.append(
+                    f"{name:<10}{cost.chunks:>12}{cost.nbytes / 1e6:>10.1f}"
+                    f"{_seconds(cost.predicted_s):>13}{_seconds(cost.measured_s):>12}"
+                )
         return "\n".join(rows)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

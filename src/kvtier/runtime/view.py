@@ -9,6 +9,7 @@ valid until its sequence's ``end_forward``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,14 +75,15 @@ class LayerKV:
 @dataclass(frozen=True)
 class Hosted:
     """One layer's chunks attended in the host pool (see ``LayerKV.hosted``): their pinned
-    slots in ``host``, their chunk indices, and ``valid [B, n*T]`` on the host (None: all
-    visible)."""
+    slots in ``host``, their chunk indices, ``valid [B, n*T]`` on the host (None: all
+    visible), and where the host call's seconds go (None: not timed)."""
 
     host: PoolTier
     layer_idx: int
     slot_index: torch.Tensor  # their pinned host slots, int64 [n] on the CPU
     chunks: tuple[int, ...]
     valid: torch.Tensor | None
+    spent: Callable[[float], None] | None = None
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[Hkv, n*T, D]``: the slots copied end to end in host memory."""

@@ -87,6 +87,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-queued", type=int, default=64, help="waiting requests; then 429")
     parser.add_argument(
+        "--max-queue-s",
+        type=float,
+        default=120.0,
+        help="admission by cost: 429 when the predicted seconds of the work ahead and the "
+        "request's own exceed this (0: count bound only)",
+    )
+    parser.add_argument(
         "--device-budget-mb", type=int, default=128, help="device KV budget per sequence"
     )
     parser.add_argument(
@@ -151,8 +158,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+    if args.max_queue_s < 0:
+        raise ValueError(f"--max-queue-s: must be >= 0, got {args.max_queue_s}")
     return EngineConfig(
         max_queued=args.max_queued,
+        max_queue_s=args.max_queue_s or None,
         max_batch_size=args.max_batch_size,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
         runner=args.runner,

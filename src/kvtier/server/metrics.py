@@ -1,8 +1,9 @@
 """Prometheus metrics of one engine, read from its stats on every scrape.
 
 A custom collector (no state of its own): tier counters and occupancy, link bytes, rate
-and stall time, queue depth, request and token counters, and the TTFT and inter-token
-latency histograms that the engine keeps.
+and stall time, placement decisions with predicted and measured seconds, queue depth,
+request and token counters, and the TTFT and inter-token latency histograms that the
+engine keeps.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class EngineCollector(Collector):
         yield disabled
         yield from self._faults(stats)
         yield from self._occupancy(stats)
+        yield from self._decisions(stats)
         link_bytes = CounterMetricFamily("kvtier_link_bytes", "bytes moved", labels=["link"])
         gbps = GaugeMetricFamily("kvtier_link_gbps", "achieved GB/s while busy", labels=["link"])
         stall = CounterMetricFamily(
@@ -125,6 +127,35 @@ class EngineCollector(Collector):
             "sealed chunks whose write-through disk copy was dropped (link full or disk off)",
             dropped,
         )
+
+    def _decisions(self, stats: EngineStats) -> Iterator[Metric]:
+        """Chunk reads per placement decision, with the cost model's predicted seconds and
+        the measured ones (a series only where there is a figure)."""
+        chunks = CounterMetricFamily(
+            "kvtier_decision_chunks", "chunk reads (chunk x pass) by decision", labels=["decision"]
+        )
+        nbytes = CounterMetricFamily(
+            "kvtier_decision_bytes", "bytes of those chunk reads", labels=["decision"]
+        )
+        predicted = CounterMetricFamily(
+            "kvtier_decision_predicted_seconds",
+            "the cost model's seconds for them",
+            labels=["decision"],
+        )
+        measured = CounterMetricFamily(
+            "kvtier_decision_measured_seconds",
+            "the seconds they took (stream: link busy; host: host attention calls)",
+            labels=["decision"],
+        )
+        decisions = stats.cache.decisions if stats.cache is not None else {}
+        for name, cost in decisions.items():
+            chunks.add_metric([name], cost.chunks)
+            nbytes.add_metric([name], cost.nbytes)
+            if cost.predicted_s is not None:
+                predicted.add_metric([name], cost.predicted_s)
+            if cost.measured_s is not None:
+                measured.add_metric([name], cost.measured_s)
+        yield from (chunks, nbytes, predicted, measured)
 
     def _occupancy(self, stats: EngineStats) -> Iterator[Metric]:
         used = GaugeMetricFamily("kvtier_tier_used_bytes", "bytes held", labels=["tier"])
