@@ -84,3 +84,10 @@ def test_a_bad_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli_main(["calibrate", "--threads", "many"])
     assert "invalid int value" in capsys.readouterr().err
+
+
+def test_the_decode_batch_is_measured(profile_and_path: tuple[dict[str, Any], Path]) -> None:
+    profile, _ = profile_and_path
+    batch = profile["decode_batch"]
+    assert batch["batch"] == [1, 2] and all(ms > 0 for ms in batch["step_ms"])
+    assert batch["fit"]["ms"] >= 0 and batch["fit"]["ms_per_row"] >= 0

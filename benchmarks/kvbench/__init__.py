@@ -17,4 +17,5 @@ BENCHMARKS = (
     "profile_step",
     "librarian",
     "flood",
+    "plan",
 )

@@ -53,7 +53,7 @@ def _bench(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvtier", description="tiered KV-cache engine")
-    commands = ["run", "serve", "bench", "calibrate"]
+    commands = ["run", "serve", "bench", "calibrate", "plan"]
     parser.add_argument("command", choices=commands, help="what to run")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.calibrate import main as calibrate_main
 
             return calibrate_main(rest)
+        if command == "plan":
+            from kvtier.plan import main as plan_main
+
+            return plan_main(rest)
         parser.parse_args(argv)  # prints the usage error for an unknown command
         return 2
     except EXPECTED_ERRORS as exc:

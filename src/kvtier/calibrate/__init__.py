@@ -16,7 +16,8 @@ it, on the machine that runs it:
 - ``compute``: the model's prefill seconds for prompts of several lengths and its decode
   milliseconds per token at several contexts, through the engine (``kvtier.engine``,
   batch 1, all KV resident), each with a least-squares fit: prefill ``s = a·n + b·n²``
-  (matmuls grow with the tokens, attention with their square), decode ``ms = c + d·n``.
+  (matmuls grow with the tokens, attention with their square), decode ``ms = c + d·n``;
+  and ``decode_batch``: the decode step with ``B`` sequences together, ``ms = e + f·B``.
 - ``shared_tier``: null until a shared tier is configured (the Redis tier is not built).
 
 ``calibrate`` returns the profile (a JSON-ready dict) and ``save_profile`` writes it to
@@ -30,6 +31,7 @@ with torch's thread count restored afterwards.
 from kvtier.calibrate.measure import (
     fit,
     measure_attention,
+    measure_batch_decode,
     measure_compute,
     measure_disk,
     measure_link,
@@ -55,6 +57,7 @@ __all__ = [
     "machine_identity",
     "main",
     "measure_attention",
+    "measure_batch_decode",
     "measure_compute",
     "measure_disk",
     "measure_link",

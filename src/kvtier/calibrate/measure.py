@@ -261,6 +261,38 @@ def measure_compute(
     }
 
 
+def measure_batch_decode(
+    engine: Any, batches: Sequence[int], decode_tokens: int, vocab: int, prompt_tokens: int = 64
+) -> dict[str, Any]:
+    """Decode step milliseconds with ``B`` sequences decoding together, for each ``B`` in
+    ``batches`` (short prompts, so the step is the model's weights and per-row work, not
+    attention), with the fit ``ms = e + f·B``: what a batch shares and what each row adds.
+    The step is the median gap between consecutive tokens of the first request while
+    all ``B`` decode (the engine's decode steps carry one token per sequence)."""
+    from kvtier.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens + 4, ignore_eos=True)
+    gen = torch.Generator().manual_seed(4321)
+    step_ms: list[float] = []
+    for batch in batches:
+        handles = [
+            engine.submit(
+                torch.randint(10, vocab, (prompt_tokens,), generator=gen).tolist(), params
+            )
+            for _ in range(batch)
+        ]
+        stamps = [time.perf_counter() for e in handles[0] if e.token_id is not None]
+        for other in handles[1:]:
+            other.result()
+        gaps = np.diff(np.asarray(stamps[2:-2]))  # the middle: every sequence decoding
+        step_ms.append(float(np.median(gaps)) * 1e3)
+    return {
+        "batch": list(batches),
+        "step_ms": step_ms,
+        "fit": fit(batches, step_ms, ("ms", "ms_per_row"), intercept=True),
+    }
+
+
 def fit(
     xs: Sequence[float], ys: Sequence[float], names: tuple[str, str], intercept: bool = False
 ) -> dict[str, float]:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from kvtier.calibrate.measure import (
     MiB,
     measure_attention,
+    measure_batch_decode,
     measure_compute,
     measure_disk,
     measure_link,
@@ -44,6 +45,7 @@ class Settings:
         disk_dir: where the scratch file goes (None: the kvtier cache folder).
         prefill_tokens: prompt lengths of the compute measurement.
         decode_tokens: tokens decoded after each prompt.
+        decode_batches: sequences decoding together in the batch measurement.
         repeats: timed repetitions of each rate (the best is kept).
     """
 
@@ -54,6 +56,7 @@ class Settings:
     disk_dir: Path | None = None
     prefill_tokens: tuple[int, ...] = (256, 1024, 2048)
     decode_tokens: int = 16
+    decode_batches: tuple[int, ...] = (1, 2, 4)
     repeats: int = 3
 
     @classmethod
@@ -65,6 +68,7 @@ class Settings:
             disk_bytes=32 * MiB,
             prefill_tokens=(64, 256),
             decode_tokens=8,
+            decode_batches=(1, 2),
             repeats=2,
         )
         return dataclasses.replace(base, **overrides)
@@ -108,6 +112,12 @@ def calibrate(
             "compute",
             lambda: measure_compute(engine, settings.prefill_tokens, settings.decode_tokens, vocab),
         ),
+        (
+            "decode_batch",
+            lambda: measure_batch_decode(
+                engine, settings.decode_batches, settings.decode_tokens, vocab
+            ),
+        ),
     ]
     results: dict[str, Any] = {}
     bar = tqdm(stages, desc="calibrate", unit="stage", disable=not progress)
@@ -123,6 +133,7 @@ def calibrate(
             **machine_info(),
             "identity": machine_identity(),
             "platform": platform.platform(),
+            "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
         },
         "model": {
             "id": engine.model_id,
@@ -144,19 +155,21 @@ def calibrate(
 def calibrate_model(
     model: Any, tokenizer: Any, model_id: str, settings: Settings, progress: bool = True
 ) -> dict[str, Any]:
-    """``calibrate`` through an engine of its own over ``model`` (batch 1, a device budget
-    that holds the longest prompt, a host tier twice that), closed afterwards."""
+    """``calibrate`` through an engine of its own over ``model`` (the largest decode batch,
+    a device budget per sequence that holds the longest prompt, a host tier twice them
+    all), closed afterwards."""
     from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
     from kvtier.engine import Engine, EngineConfig
 
     layout = KVLayout.from_model_config(model.config, next(model.parameters()).dtype, CHUNK_TOKENS)
     longest = max(settings.prefill_tokens) + settings.decode_tokens + 2
     budget = (longest // layout.chunk_tokens + 2) * layout.chunk_nbytes
+    batch = max(settings.decode_batches)
     config = EngineConfig(
-        max_batch_size=1,
+        max_batch_size=batch,
         cache=TieredCacheConfig(device_budget_bytes=budget),
         manager=ManagerConfig(
-            chunk_tokens=CHUNK_TOKENS, host=HostConfig(capacity_bytes=2 * budget)
+            chunk_tokens=CHUNK_TOKENS, host=HostConfig(capacity_bytes=2 * batch * budget)
         ),
     )
     with Engine(model, tokenizer, config, model_id=model_id) as engine:
@@ -166,6 +179,7 @@ def calibrate_model(
 def report(profile: dict[str, Any]) -> str:
     """A few lines of what was measured, for the terminal."""
     link, disk, compute = profile["link"], profile["disk"], profile["compute"]
+    batch = profile["decode_batch"]
     attention = profile["attention"]
     att = "; ".join(
         f"{kernel}: " + ", ".join(f"{t} thr {g:.1f}" for t, g in by_threads.items())
@@ -187,6 +201,9 @@ def report(profile: dict[str, Any]) -> str:
         "decode: "
         + _pairs(decode["context_tokens"], decode["ms_per_token"], "ctx {:.0f} {:.1f} ms")
         + f"  (fit: {dec['ms']:.1f} ms + {dec['ms_per_context_token'] * 1e3:.2f} µs/context token)",
+        "decode batch: "
+        + _pairs(batch["batch"], batch["step_ms"], "{:.0f} rows {:.1f} ms")
+        + f"  (fit: {batch['fit']['ms']:.1f} ms + {batch['fit']['ms_per_row']:.2f} ms/row)",
         "shared tier: not configured",
     ]
     return "\n".join(lines)
