@@ -69,10 +69,11 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(groups: i
     query = torch.randn(heads * groups, n, dim, generator=gen)
     new_k, new_v = torch.randn(2, heads, n, dim, generator=gen)
     out = torch.full((n, heads * groups, dim), 7.0)
+    lse = torch.full((n, heads * groups), 5.0)
     seats, rows = torch.tensor([2, 0]), torch.tensor([3, 1])
     tail_pos = torch.tensor([0, 200])
     lo, hi = torch.tensor([tokens, 2 * tokens]), torch.tensor([4 * tokens, 2 * tokens])
-    _ops().decode_attend(slab, 1, seats, tail_pos, lo, hi, rows, query, new_k, new_v, out, 0.3)
+    _ops().decode_attend(slab, 1, seats, tail_pos, lo, hi, rows, query, new_k, new_v, out, lse, 0.3)
     for r in range(2):
         seat, row, pos = int(seats[r]), int(rows[r]), int(tail_pos[r])
         want_slab[seat, 1, 0, :, 0, pos] = new_k[:, row]
@@ -85,8 +86,10 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(groups: i
             q, keys[:, visible], values[:, visible], scale=0.3
         )  # [Hkv, G, D]
         torch.testing.assert_close(out[row], ref.reshape(heads * groups, dim))
+        scores = q @ keys[:, visible].transpose(1, 2) * 0.3  # [Hkv, G, keys]
+        torch.testing.assert_close(lse[row], torch.logsumexp(scores, -1).reshape(-1))
     assert torch.equal(slab, want_slab)
-    assert (out[[0, 2]] == 7.0).all()
+    assert (out[[0, 2]] == 7.0).all() and (lse[[0, 2]] == 5.0).all()
 
 
 @pytest.mark.parametrize(
@@ -141,7 +144,9 @@ def test_bad_inputs_raise_a_clear_error() -> None:
     one = torch.zeros(1, dtype=torch.long)
     q, kv, out = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="tail position out of range"):
-        _ops().decode_attend(slab, 0, one, one + 4, one + 4, one + 4, one, q, kv, kv, out, 1.0)
+        _ops().decode_attend(
+            slab, 0, one, one + 4, one + 4, one + 4, one, q, kv, kv, out, None, 1.0
+        )
     with pytest.raises(RuntimeError, match="contiguous float32"):
         _ops().rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(4), 1e-5)
     q, kv, out = torch.zeros(3, 4, 64), torch.zeros(2, 4, 64), torch.zeros(4, 3, 64)

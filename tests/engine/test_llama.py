@@ -16,6 +16,7 @@ from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner, ModelRunner, make_runner
 from kvtier.kv.layout import KVLayout
 from kvtier.models import random_model
+from kvtier.runtime import DecodeBatch
 from tests.engine.tiny import CHUNK, engine_config, reference_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -82,9 +83,20 @@ def test_batched_greedy_tokens_equal_transformers(
 
 
 @pytest.mark.parametrize("on_host", [False, True], ids=["streamed", "on-host"])
-def test_contexts_past_the_device_budget_stay_exact(on_host: bool, tokenizer: Any) -> None:
+def test_contexts_past_the_device_budget_stay_exact(
+    on_host: bool, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """3 chunks of device budget per sequence, prompts of up to 14 chunks: the rest is
-    streamed over the link, or attended in the host pool where it lies."""
+    streamed over the link, or attended in the host pool where it lies (decode rows then
+    take the batched kernel and merge their host part, where the kernels are built)."""
+    merged: list[int] = []
+    original = DecodeBatch._merge_hosted
+
+    def counted(self: DecodeBatch, *args: Any) -> None:
+        merged.append(len(self.hosted))
+        original(self, *args)
+
+    monkeypatch.setattr(DecodeBatch, "_merge_hosted", counted)
     model = family_model("llama (head dim 64)", tokenizer)
     base = engine_config()
     chunk_nbytes = KVLayout.from_model_config(model.config, torch.float32, CHUNK).chunk_nbytes
@@ -99,6 +111,7 @@ def test_contexts_past_the_device_budget_stay_exact(on_host: bool, tokenizer: An
     assert [o.token_ids for o in outs] == [reference_tokens(model, p, 12) for p in long_prompts]
     assert decided.get("host" if on_host else "stream", 0) > 0
     assert decided.get("stream" if on_host else "host", 0) == 0
+    assert bool(merged) == (on_host and native.ops() is not None)
 
 
 def test_preemption_keeps_the_tokens(tokenizer: Any) -> None:

@@ -166,7 +166,9 @@ def _device_attention(
 
         def kernel_pass() -> None:
             for layer in range(num_layers):
-                ops.decode_attend(slab, layer, one, one, lo, hi, one, query, new, new, out, scale)
+                ops.decode_attend(
+                    slab, layer, one, one, lo, hi, one, query, new, new, out, None, scale
+                )
 
         return "kvtier", kernel_pass
     kv = torch.randn(num_layers, 2, 1, heads, slots * size, dim, generator=gen).to(device)

@@ -187,11 +187,14 @@ void merge_rows(int64_t num_rows, const std::vector<int64_t>& first, HeadOf head
 // then attends to tail tokens 0..tail_pos[r] and to the pool range [lo[r], hi[r]) of the
 // same [(1 + S) T] key axis. query [Hq, N, D] and out [N, Hq, D] may be strided (the last
 // dim contiguous); out[rows[r]] is written, nothing else. Softmax in float32, exact: each
-// block's max, sum and weighted values, merged per row with the max of the maxima.
+// block's max, sum and weighted values, merged per row with the max of the maxima. With
+// lse [N, Hq] (contiguous), lse[rows[r]] gets each row's log-sum-exp too, so the output
+// merges exactly with attention over keys elsewhere (the host pool).
 void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seats,
                    const at::Tensor& tail_pos, const at::Tensor& lo, const at::Tensor& hi,
                    const at::Tensor& rows, const at::Tensor& query, const at::Tensor& new_k,
-                   const at::Tensor& new_v, const at::Tensor& out, double scale) {
+                   const at::Tensor& new_v, const at::Tensor& out,
+                   const std::optional<at::Tensor>& lse, double scale) {
   TORCH_CHECK(slab.dim() == 7 && slab.is_contiguous() && slab.scalar_type() == at::kFloat,
               "decode_attend: slab must be a contiguous float32 [seats, L, 2, H, 1+S, T, D]");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && new_k.dim() == 3 && new_v.dim() == 3,
@@ -213,6 +216,11 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
                   out.size(1) == q_heads && new_k.size(0) == kv_heads &&
                   new_v.size(0) == kv_heads && new_k.size(2) == dim && new_v.size(2) == dim,
               "decode_attend: head counts or head dim do not match the slab");
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->dim() == 2 &&
+                    lse->size(0) == out.size(0) && lse->size(1) == q_heads,
+                "decode_attend: lse must be a contiguous float32 [N, Hq]");
+  }
   const int64_t num_rows = seats.size(0);
   const int64_t* seat_p = seats.data_ptr<int64_t>();
   const int64_t* tail_p = tail_pos.data_ptr<int64_t>();
@@ -285,8 +293,9 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
     }
   });
   // 3. merge each row's items per query head and write the output row.
+  float* lse_p = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   merge_rows(num_rows, first, [&](int64_t i) { return items[i].head; }, partial, groups, dim,
-             q_heads, row_p, out, nullptr, grain == 1);
+             q_heads, row_p, out, lse_p, grain == 1);
 }
 
 
@@ -539,7 +548,7 @@ TORCH_LIBRARY(kvtier_cpu, m) {
   m.def(
       "decode_attend(Tensor(a!) slab, int layer, Tensor seats, Tensor tail_pos, Tensor lo, "
       "Tensor hi, Tensor rows, Tensor query, Tensor new_k, Tensor new_v, Tensor(b!) out, "
-      "float scale) -> ()");
+      "Tensor(c!)? lse, float scale) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");

@@ -18,9 +18,13 @@ call:
   seat's chunks split into a batch of parts and merged measured slower in the engine, at a
   4K context, than this one call.)
 
-No Python in the layer loop grows with the number of rows. Rows that do not qualify (a
-prefill piece, streamed or padded KV, a sliding layer, no seat) keep the per-sequence path
-(``SequenceKV.write`` and ``attend_packed``).
+A row whose older chunks are attended in the host pool (``Decision.HOST``) also takes the
+kernel: ``decode_attend`` then returns every row's log-sum-exp, and each such row's host
+part (``attend_slots``, reading the pool in place) merges into its output exactly.
+
+No Python in the layer loop grows with the number of rows, except one merge per hosted
+row. Rows that do not qualify (a prefill piece, streamed or padded KV, a sliding layer,
+no seat) keep the per-sequence path (``SequenceKV.write`` and ``attend_packed``).
 
 Mutates the rows' tails (the slab) and, at the last layer, their passes' written-layer
 count; owns its index tensors, mask and query buffer. Built and used by the thread running
@@ -30,6 +34,7 @@ the step.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -76,10 +81,18 @@ class DecodeBatch:
         self.query: torch.Tensor | None = None  # [span, Hkv, G, D], sized at the first layer
         data = slab.data
         self.ops = native.ops() if data.dtype == torch.float32 and data.is_cpu else None
+        # Rows with chunks attended in the host pool (native path only, see ``collect``):
+        # (index among the rows, its step row, its hosted slots, its sequence).
+        self.hosted = [
+            (i, int(rows[i]), kv.plan.hosted_index[0], kv)
+            for i, kv in enumerate(self.kvs)
+            if kv.plan is not None and kv.plan.hosted and kv.plan.hosted[0]
+        ]
         if self.ops is not None:  # the kernel reads each row's own keys: no mask
             self.lo = torch.tensor([(1 + r.start) * size for r in slot_ranges], dtype=torch.long)
             self.hi = torch.tensor([(1 + r.stop) * size for r in slot_ranges], dtype=torch.long)
             return
+        assert not self.hosted, "host-attended rows take the native path only"
         # Keys of a seat's row: tail tokens 0..T-1, then pool slot j at (1 + j) T.
         last = torch.full((self.span,), -1, dtype=torch.long)  # idle seats see nothing
         lo = torch.zeros(self.span, dtype=torch.long)
@@ -101,13 +114,18 @@ class DecodeBatch:
         chosen: list[int] = []
         rest: list[int] = []
         slab: SeatSlab | None = None
+        native_path = native.ops() is not None and all(
+            kv.arena.seat is None
+            or (kv.arena.seat[0].data.dtype == torch.float32 and kv.arena.seat[0].data.is_cpu)
+            for kv in kvs
+        )
         for i, ((_, length), kv) in enumerate(zip(spans, kvs, strict=True)):
             seat = kv.arena.seat
             if (
                 length == 1
                 and seat is not None
                 and (slab is None or seat[0] is slab)
-                and _all_resident(kv)
+                and _on_device_or_host(kv, native_path)
             ):
                 slab = seat[0]
                 chosen.append(i)
@@ -138,6 +156,9 @@ class DecodeBatch:
             out: ``[1, N, Hq, D]`` the step's attention output; the rows' entries are set.
         """
         if self.ops is not None:
+            lse = None
+            if self.hosted:
+                lse = torch.empty(out.shape[1], out.shape[2], dtype=torch.float32)
             self.ops.decode_attend(
                 self.slab.data,
                 layer_idx,
@@ -150,8 +171,11 @@ class DecodeBatch:
                 keys[0],
                 values[0],
                 out[0],
+                lse,
                 scale,
             )
+            if lse is not None:
+                self._merge_hosted(layer_idx, query, scale, out, lse)
             self._finish(layer_idx)
             return
         hkv, dim = self.kv_heads, self.head_dim
@@ -193,6 +217,31 @@ class DecodeBatch:
             out[0].index_copy_(0, self.rows, rows_out.to(out.dtype))
         self._finish(layer_idx)
 
+    def _merge_hosted(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Attend each hosted row's chunks in the host pool (``attend_slots``, in place)
+        and merge them exactly into its device output (both with their log-sum-exp)."""
+        assert self.ops is not None
+        for _, row, slots, kv in self.hosted:
+            start = time.perf_counter()
+            q = query[0, :, row : row + 1]  # [Hq, 1, D]
+            host_out = torch.empty(1, q.shape[0], q.shape[2])
+            host_lse = torch.empty(1, q.shape[0])
+            self.ops.attend_slots(kv.host.pool, layer_idx, slots, q, host_out, host_lse, scale)
+            device_lse = lse[row : row + 1]  # [1, Hq]
+            top = torch.maximum(device_lse, host_lse)
+            w_device = torch.exp(device_lse - top)[..., None]
+            w_host = torch.exp(host_lse - top)[..., None]
+            mixed = (w_device * out[0, row : row + 1] + w_host * host_out) / (w_device + w_host)
+            out[0, row : row + 1] = mixed
+            kv.ledger.host_spent(time.perf_counter() - start)
+
     def _finish(self, layer_idx: int) -> None:
         if layer_idx == self.last_layer:  # the passes are complete (end_forward checks)
             for kv in self.kvs:
@@ -200,14 +249,27 @@ class DecodeBatch:
                 kv.plan.layers_written = layer_idx + 1
 
 
-def _all_resident(kv: SequenceKV) -> bool:
-    """The pass reads only resident chunks and its tail, unpadded, in one full group."""
+def _on_device_or_host(kv: SequenceKV, native_path: bool) -> bool:
+    """The pass reads only resident chunks, its tail and (on the native path, from a
+    slot-major float32 CPU host pool, all visible) chunks attended in the host pool;
+    unpadded, in one full group. Streamed chunks keep the per-sequence path."""
     plan = kv.plan
     if plan is None or plan.pieces or plan.recent_valid is not None or len(plan.resident) != 1:
         return False
-    if any(plan.hosted):
-        return False
-    return plan.resident[0].valid is None and kv.windows[0] is None
+    if plan.resident[0].valid is None and kv.windows[0] is None:
+        if not any(plan.hosted):
+            return True
+        pool = kv.host.pool
+        return (
+            native_path
+            and len(plan.hosted) == 1
+            and plan.hosted_valid[0] is None
+            and pool.is_cpu
+            and pool.dtype == torch.float32
+            and not kv.host.layer_major
+            and pool.is_contiguous()
+        )
+    return False
 
 
 def _additive(visible: torch.Tensor, device: torch.device) -> torch.Tensor:
