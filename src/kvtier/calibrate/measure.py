@@ -264,13 +264,19 @@ def measure_compute(
 
 
 def measure_batch_decode(
-    engine: Any, batches: Sequence[int], decode_tokens: int, vocab: int, prompt_tokens: int = 64
+    engine: Any,
+    batches: Sequence[int],
+    decode_tokens: int,
+    vocab: int,
+    repeats: int = 1,
+    prompt_tokens: int = 64,
 ) -> dict[str, Any]:
     """Decode step milliseconds with ``B`` sequences decoding together, for each ``B`` in
     ``batches`` (short prompts, so the step is the model's weights and per-row work, not
     attention), with the fit ``ms = e + f·B``: what a batch shares and what each row adds.
     The step is the median gap between consecutive tokens of the first request while
-    all ``B`` decode (the engine's decode steps carry one token per sequence)."""
+    all ``B`` decode (the engine's decode steps carry one token per sequence), the best of
+    ``repeats`` runs."""
     from kvtier.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=decode_tokens + 4, ignore_eos=True)

@@ -115,7 +115,7 @@ def calibrate(
         (
             "decode_batch",
             lambda: measure_batch_decode(
-                engine, settings.decode_batches, settings.decode_tokens, vocab
+                engine, settings.decode_batches, settings.decode_tokens, vocab, settings.repeats
             ),
         ),
     ]

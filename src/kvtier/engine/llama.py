@@ -29,6 +29,8 @@ sequences' KV through the runtime.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,11 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose transformers modelling has exactly the shape this module runs."""
 
 
+ROWS_KERNEL_MAX = 2
+"""Most rows ``_Linear`` may give kvtier's ``linear_rows`` kernel (oneDNN above); at start
+``LlamaModel`` keeps it only for the row counts where it measures faster here."""
+
+
 @dataclass(frozen=True)
 class _Linear:
     """One projection: the weight ``[out, in]`` as ``F.linear`` takes it, and on the CPU
@@ -53,17 +60,20 @@ class _Linear:
     (docs/benchmarks.md, "the runner's matmuls"), so the CPU runner packs every weight once
     at start. kvtier's own ``linear_rows`` kernel (``kernels`` set) reads the plain weight
     once for one or two rows and measured 12-22 % faster than oneDNN there, slower from
-    four rows on; the plain weight is then kept as well (else it is None once packed).
+    four rows on, on that machine; on others it measured slower at every row count, so
+    ``LlamaModel`` times both at start and keeps it only up to ``rows_max`` rows where it
+    wins. The plain weight is then kept as well (else it is None once packed).
     """
 
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     pack: torch.Tensor | None
-    kernels: Any | None = None  # kvtier's CPU kernels, for up to ROWS_KERNEL_MAX rows
+    kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
+    rows_max: int = ROWS_KERNEL_MAX
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` → ``[N, out]``."""
-        if self.kernels is not None and x.shape[0] <= ROWS_KERNEL_MAX and x.is_contiguous():
+        if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
             return self.kernels.linear_rows(x, self.weight, self.bias)
         if self.pack is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
@@ -71,8 +81,32 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-ROWS_KERNEL_MAX = 2
-"""Most rows ``_Linear`` gives kvtier's ``linear_rows`` kernel (oneDNN above)."""
+def _rows_kernel_max(linears: list[_Linear], repeats: int = 2) -> int:
+    """The most rows (0 .. ``ROWS_KERNEL_MAX``) up to which ``linear_rows`` beat oneDNN on
+    these projections, timed through all of them (so the weights come from memory, as in
+    a step) at the current thread count; 0 where either is missing."""
+    usable = [x for x in linears if x.kernels is not None and x.pack is not None]
+    if not usable or len(usable) < len(linears):
+        return ROWS_KERNEL_MAX if usable else 0
+    best = 0
+    for rows in range(1, ROWS_KERNEL_MAX + 1):
+        inputs = [
+            torch.randn(rows, lin.weight.shape[1]) for lin in usable if lin.weight is not None
+        ]
+        times = []
+        for limit in (ROWS_KERNEL_MAX, 0):  # linear_rows, then oneDNN
+            chosen = [dataclasses.replace(lin, rows_max=limit) for lin in usable]
+            fastest = float("inf")
+            for _ in range(repeats + 1):  # the first pass warms up
+                start = time.perf_counter()
+                for lin, x in zip(chosen, inputs, strict=True):
+                    lin(x)
+                fastest = min(fastest, time.perf_counter() - start)
+            times.append(fastest)
+        if times[0] >= times[1]:
+            break
+        best = rows
+    return best
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -159,7 +193,23 @@ class LlamaModel:
         self.rotary = base.rotary_emb
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
-        self.layers = [self._fuse(layer) for layer in base.layers]
+        layers = [self._fuse(layer) for layer in base.layers]
+        # linear_rows against oneDNN, measured here on the MLP's weights (the bulk of them)
+        self.rows_kernel_max = _rows_kernel_max(
+            [x for layer in layers for x in (layer.gate_up, layer.down)]
+        )
+        rows = self.rows_kernel_max
+        self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
+        self.layers = [
+            dataclasses.replace(
+                layer,
+                qkv=dataclasses.replace(layer.qkv, rows_max=rows),
+                o=dataclasses.replace(layer.o, rows_max=rows),
+                gate_up=dataclasses.replace(layer.gate_up, rows_max=rows),
+                down=dataclasses.replace(layer.down, rows_max=rows),
+            )
+            for layer in layers
+        ]
 
     @staticmethod
     def why_not(model: Any) -> str | None:
