@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,6 +195,8 @@ def test_close_without_drain_cancels(model: Any, tokenizer: Any) -> None:
 def test_the_engine_freezes_what_lives_at_start_out_of_the_collector(
     model: Any, tokenizer: Any
 ) -> None:
+    """Frozen at start; back in the collector's view at close, so a closed engine's
+    reference cycles are freed (a process that builds engine after engine stays flat)."""
     gc.unfreeze()
     engine = Engine(model, tokenizer, engine_config())
     try:
@@ -202,7 +206,11 @@ def test_the_engine_freezes_what_lives_at_start_out_of_the_collector(
         assert len(done.token_ids) == 2  # serves as before
     finally:
         engine.close()
-        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    collected = weakref.ref(engine._scheduler)
+    del engine
+    gc.collect()
+    assert collected() is None
 
 
 def test_llm_generates_in_order_with_a_small_queue(model: Any, tokenizer: Any) -> None:
@@ -270,3 +278,22 @@ def test_placement_auto_calibrates_once_at_first_start_and_stays_exact(
     with Engine(model, tokenizer, config, model_id="tiny-auto"):
         again = load_profile("tiny-auto")
         assert again is not None and again["measured_at"] == measured_at  # not measured again
+
+
+def test_admission_by_cost_refuses_what_the_queue_cannot_drain_in_time(
+    model: Any, tokenizer: Any
+) -> None:
+    """A bound of 1 ms of predicted work: while one request runs, the next is refused
+    with a retry estimate; once the engine is idle again, it is taken."""
+    config = dataclasses.replace(engine_config(), max_queue_s=0.001, max_batch_size=1)
+    with Engine(model, tokenizer, config) as engine:
+        first = engine.submit(STORY, SamplingParams(temperature=0, max_tokens=64))
+        with pytest.raises(QueueFullError, match="queue bound") as refused:
+            engine.submit(STORY, GREEDY)
+        assert refused.value.retry_after_s >= 1
+        first.result()
+        deadline = time.monotonic() + 10
+        while engine.stats().running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.submit("Hi", GREEDY).result().finish_reason == "length"
+        assert engine.stats().requests_rejected == 1

@@ -289,7 +289,8 @@ class Engine:
         with ``finish_reason="cancelled"`` at the worker's next step. Then the caches are
         closed and, when the engine owns its manager, the manager too — after writing the
         host tier to disk when a disk tier is configured, so a restart finds the sessions'
-        KV. Blocks until done; idempotent.
+        KV — and the objects frozen at start return to the garbage collector. Blocks until
+        done; idempotent.
 
         Returns:
             True when the worker stopped; False when it was still inside a step after the
@@ -309,6 +310,9 @@ class Engine:
                 self._scheduler.close()
             if self._owns_manager:
                 self.manager.close(flush_host_to_disk=self.manager.disk is not None)
+            # What start froze out of the collector's view (this engine's and whatever else
+            # lived then) goes back to it, so a closed engine's cycles are freed.
+            gc.unfreeze()
             return stopped
 
     def __enter__(self) -> Engine:
