@@ -112,16 +112,21 @@ def test_admission_by_cost_refuses_what_would_not_drain_in_time_and_says_when() 
 
 
 def test_the_work_model_follows_the_steps() -> None:
+    """Steps of 20 ms per decode row, and prefill of 1 ms per token plus 2 µs per token
+    pair: pieces of 100 tokens at several depths tell the two prefill terms apart."""
     work = WorkModel()
-    work.seed(0.001, 0.05)
+    work.seed(0.01, 0.05)
     for _ in range(50):
-        work.observe_step(0, 4, 0.08)  # 20 ms per decode row
-    for _ in range(50):
-        work.observe_step(100, 4, 0.28)  # 0.2 s of prefill for 100 tokens
-    prefill_s, decode_s = work.rates
+        work.observe_step(0, 4, 0.08)
+    for i in range(60):
+        start = 100 * (i % 8)
+        pairs = 100 * (start + 50)
+        work.observe_step(100, 4, 0.08 + 100 * 1e-3 + pairs * 2e-6, pairs)
+    a, b, decode_s = work.rates
     assert decode_s == pytest.approx(0.02, rel=1e-3)
-    assert prefill_s == pytest.approx(0.002, rel=1e-3)
-    assert work.predict_s(1000, 10) == pytest.approx(2.2, rel=1e-3)
+    assert a == pytest.approx(1e-3, rel=1e-2) and b == pytest.approx(2e-6, rel=1e-2)
+    # 1,000 prompt tokens: 1 s + 2e-6 * 1000^2 / 2 = 2 s of prefill; 10 decode tokens.
+    assert work.predict_s(1000, 10) == pytest.approx(2.2, rel=1e-2)
 
 
 def test_the_handoff_close_cancels_and_kill_returns_every_request() -> None:

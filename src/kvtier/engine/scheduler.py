@@ -143,9 +143,12 @@ class BatchScheduler:
         except Exception as exc:
             self._step_failed([piece.seq for piece in work], exc)
             return
-        decode_rows = sum(1 for piece in work if piece.seq.decoding)
-        prefill_tokens = sum(p.stop - p.start for p in work if not p.seq.decoding)
-        self.handoff.work.observe_step(prefill_tokens, decode_rows, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        prefill = [p for p in work if not p.seq.decoding]
+        pairs = sum((p.stop - p.start) * (p.start + p.stop) / 2 for p in prefill)
+        self.handoff.work.observe_step(
+            sum(p.stop - p.start for p in prefill), len(work) - len(prefill), seconds, pairs
+        )
         for piece in work:
             piece.seq.suspect = False
         self._postprocess(out)
