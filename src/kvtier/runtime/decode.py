@@ -18,12 +18,14 @@ call:
   seat's chunks split into a batch of parts and merged measured slower in the engine, at a
   4K context, than this one call.)
 
-A row whose older chunks are attended in the host pool (``Decision.HOST``) also takes the
-kernel: ``decode_attend`` then returns every row's log-sum-exp, and each such row's host
-part (``attend_slots``, reading the pool in place) merges into its output exactly.
+A row whose older chunks are attended in the host pool (``Decision.HOST``) or streamed
+into its staging ring (``Decision.STREAM``) also takes the kernel: ``decode_attend`` then
+returns every row's log-sum-exp, and each such row's other part (``attend_slots``
+reading the host pool in place; torch's kernel over the staged pieces of the layer, as
+they arrive) merges into its output exactly.
 
 No Python in the layer loop grows with the number of rows, except one merge per hosted
-row. Rows that do not qualify (a prefill piece, streamed or padded KV, a sliding layer,
+or streamed row. Rows that do not qualify (a prefill piece, streamed or padded KV, a sliding layer,
 no seat) keep the per-sequence path (``SequenceKV.write`` and ``attend_packed``).
 
 Mutates the rows' tails (the slab) and, at the last layer, their passes' written-layer
@@ -88,11 +90,15 @@ class DecodeBatch:
             for i, kv in enumerate(self.kvs)
             if kv.plan is not None and kv.plan.hosted and kv.plan.hosted[0]
         ]
+        # Rows with chunks streamed into their staging rings (native path only).
+        self.streamed = [
+            (int(rows[i]), kv) for i, kv in enumerate(self.kvs) if kv.plan and kv.plan.pieces
+        ]
         if self.ops is not None:  # the kernel reads each row's own keys: no mask
             self.lo = torch.tensor([(1 + r.start) * size for r in slot_ranges], dtype=torch.long)
             self.hi = torch.tensor([(1 + r.stop) * size for r in slot_ranges], dtype=torch.long)
             return
-        assert not self.hosted, "host-attended rows take the native path only"
+        assert not self.hosted and not self.streamed, "such rows take the native path only"
         # Keys of a seat's row: tail tokens 0..T-1, then pool slot j at (1 + j) T.
         last = torch.full((self.span,), -1, dtype=torch.long)  # idle seats see nothing
         lo = torch.zeros(self.span, dtype=torch.long)
@@ -157,7 +163,7 @@ class DecodeBatch:
         """
         if self.ops is not None:
             lse = None
-            if self.hosted:
+            if self.hosted or self.streamed:
                 lse = torch.empty(out.shape[1], out.shape[2], dtype=torch.float32)
             self.ops.decode_attend(
                 self.slab.data,
@@ -176,6 +182,7 @@ class DecodeBatch:
             )
             if lse is not None:
                 self._merge_hosted(layer_idx, query, scale, out, lse)
+                self._merge_streamed(layer_idx, query, scale, out, lse)
             self._finish(layer_idx)
             return
         hkv, dim = self.kv_heads, self.head_dim
@@ -226,7 +233,7 @@ class DecodeBatch:
         lse: torch.Tensor,
     ) -> None:
         """Attend each hosted row's chunks in the host pool (``attend_slots``, in place)
-        and merge them exactly into its device output (both with their log-sum-exp)."""
+        and merge them exactly into its output (both with their log-sum-exp)."""
         assert self.ops is not None
         for _, row, slots, kv in self.hosted:
             start = time.perf_counter()
@@ -234,13 +241,31 @@ class DecodeBatch:
             host_out = torch.empty(1, q.shape[0], q.shape[2])
             host_lse = torch.empty(1, q.shape[0])
             self.ops.attend_slots(kv.host.pool, layer_idx, slots, q, host_out, host_lse, scale)
-            device_lse = lse[row : row + 1]  # [1, Hq]
-            top = torch.maximum(device_lse, host_lse)
-            w_device = torch.exp(device_lse - top)[..., None]
-            w_host = torch.exp(host_lse - top)[..., None]
-            mixed = (w_device * out[0, row : row + 1] + w_host * host_out) / (w_device + w_host)
-            out[0, row : row + 1] = mixed
+            _merge_row(out, lse, row, host_out.to(out.device), host_lse.to(out.device))
             kv.ledger.host_spent(time.perf_counter() - start)
+
+    def _merge_streamed(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Attend each streamed row's pieces of this layer as they arrive in its staging
+        ring, and merge them exactly into its output."""
+        hkv, dim = self.kv_heads, self.head_dim
+        for row, kv in self.streamed:
+            plan, staging = kv.plan, kv.staging
+            assert plan is not None and staging is not None
+            q = query[0, :, row].reshape(1, hkv, -1, dim).to(torch.float32)  # [1, Hkv, G, D]
+            for index in plan.pieces_by_layer[layer_idx]:
+                keys, values = staging.acquire(index)  # [H, n*T, D]
+                part, part_lse = attend_flat(
+                    q, keys[None].to(torch.float32), values[None].to(torch.float32), None, scale
+                )
+                staging.release(index)
+                _merge_row(out, lse, row, part.reshape(1, -1, dim), part_lse.reshape(1, -1))
 
     def _finish(self, layer_idx: int) -> None:
         if layer_idx == self.last_layer:  # the passes are complete (end_forward checks)
@@ -249,27 +274,46 @@ class DecodeBatch:
                 kv.plan.layers_written = layer_idx + 1
 
 
+def _merge_row(
+    out: torch.Tensor, lse: torch.Tensor, row: int, part: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """Merge attention ``part [1, Hq, D]`` (log-sum-exp ``part_lse [1, Hq]``) over other
+    keys into step row ``row`` of ``out [1, N, Hq, D]`` and ``lse [N, Hq]``, exactly."""
+    mine = lse[row : row + 1]
+    top = torch.maximum(mine, part_lse)
+    w_mine = torch.exp(mine - top)
+    w_part = torch.exp(part_lse - top)
+    total = w_mine + w_part
+    mixed = (w_mine[..., None] * out[0, row : row + 1] + w_part[..., None] * part) / total[
+        ..., None
+    ]
+    out[0, row : row + 1] = mixed
+    lse[row : row + 1] = top + torch.log(total)
+
+
 def _on_device_or_host(kv: SequenceKV, native_path: bool) -> bool:
-    """The pass reads only resident chunks, its tail and (on the native path, from a
-    slot-major float32 CPU host pool, all visible) chunks attended in the host pool;
-    unpadded, in one full group. Streamed chunks keep the per-sequence path."""
+    """The pass reads only resident chunks and its tail, unpadded, in one full group; on
+    the native path also chunks streamed into its ring (all visible) and chunks attended
+    in a slot-major float32 CPU host pool (all visible)."""
     plan = kv.plan
-    if plan is None or plan.pieces or plan.recent_valid is not None or len(plan.resident) != 1:
+    if plan is None or plan.recent_valid is not None or len(plan.resident) != 1:
         return False
-    if plan.resident[0].valid is None and kv.windows[0] is None:
-        if not any(plan.hosted):
-            return True
-        pool = kv.host.pool
-        return (
-            native_path
-            and len(plan.hosted) == 1
-            and plan.hosted_valid[0] is None
-            and pool.is_cpu
-            and pool.dtype == torch.float32
-            and not kv.host.layer_major
-            and pool.is_contiguous()
-        )
-    return False
+    if plan.resident[0].valid is not None or kv.windows[0] is not None:
+        return False
+    if plan.pieces and not (native_path and all(v is None for v in plan.piece_valid.values())):
+        return False
+    if not any(plan.hosted):
+        return True
+    pool = kv.host.pool
+    return (
+        native_path
+        and len(plan.hosted) == 1
+        and plan.hosted_valid[0] is None
+        and pool.is_cpu
+        and pool.dtype == torch.float32
+        and not kv.host.layer_major
+        and pool.is_contiguous()
+    )
 
 
 def _additive(visible: torch.Tensor, device: torch.device) -> torch.Tensor:
