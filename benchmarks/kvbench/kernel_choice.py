@@ -7,7 +7,7 @@ through
 
 - ``F.linear`` on the ``[out, in]`` weights (transformers' path: MKL on the CPU),
 - ``x @ W`` on ``[in, out]`` copies (the runner's one-row path before oneDNN),
-- oneDNN's matmul on packed weights (``kvtier.engine.llama._Linear``'s path from 3 rows),
+- oneDNN's matmul on packed weights (``kvtier.engine.linear.Linear``'s path from 3 rows),
 - kvtier's ``linear_rows`` CPU kernel on the ``[out, in]`` weights (``kvtier.native``;
   the runner's path for 1 and 2 rows), where it is built,
 
@@ -30,13 +30,14 @@ import torch.nn.functional as F
 from kvbench.common import base_parser, machine_info, median, print_machine, write_json
 from kvbench.peers import read_gbps
 from kvtier import native
-from kvtier.engine.llama import LlamaModel, _Linear
+from kvtier.engine.linear import Linear
+from kvtier.engine.llama import LlamaModel
 from kvtier.models import load_model
 
 
-def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, _Linear]]:
+def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, Linear]]:
     """Every projection of a step: (its ``[out, in]`` weight, the runner's packed one)."""
-    out: list[tuple[torch.Tensor, _Linear]] = []
+    out: list[tuple[torch.Tensor, Linear]] = []
     for layer, fused in zip(model.model.layers, llama.layers, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -48,7 +49,7 @@ def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, _Line
 
 
 def matmul_cases(
-    weights: list[tuple[torch.Tensor, _Linear]], rows: int
+    weights: list[tuple[torch.Tensor, Linear]], rows: int
 ) -> dict[str, Callable[[], float]]:
     """The ways to run every projection once on ``rows`` rows (kvtier's ``linear_rows``
     where its CPU kernels are built); each returns seconds."""

@@ -155,7 +155,9 @@ def test_huge_bodies_and_prompts_are_refused_at_once(server: tuple[Any, int]) ->
         probe.stop()
     assert [status for status, _ in answers] == [413, 413, 413, 400, 400, 400, 400, 400]
     assert all(seconds < 1.0 for _, seconds in answers), answers
-    assert probe.worst_s < 0.1 and probe.failures == 0, probe.worst_s
+    # A loop blocked by reading or validating one of these bodies answers in seconds; the
+    # bound leaves room for a loaded machine (100.8 ms was seen on one).
+    assert probe.worst_s < 0.25 and probe.failures == 0, probe.worst_s
     assert rss_bytes(process.pid) - before < 200 * MB
 
 

@@ -8,7 +8,7 @@ weights of the loaded transformers model (shared, not copied, except the fused o
 
 - q, k and v are one matmul (their weights concatenated once at start), gate and up one;
   on the CPU every matmul runs on a oneDNN-packed copy of its weight, or for one or two
-  rows on kvtier's ``linear_rows`` kernel (``_Linear``);
+  rows on kvtier's ``linear_rows`` kernel (``Linear``);
 - RoPE's cos/sin come from the model's own rotary module, once per step for every layer;
 - the decode rows of seated sequences are attended with one call per layer
   (``kvtier.runtime.DecodeBatch``); the other spans' K/V go to their
@@ -30,7 +30,6 @@ sequences' KV through the runtime.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,103 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from kvtier import native
+from kvtier.engine.linear import MEASURED_ROWS, Linear, make_linear, rows_kernel_max
 from kvtier.runtime import DecodeBatch, PackedKV, SequenceKV, attend_packed
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose transformers modelling has exactly the shape this module runs."""
-
-
-ROWS_KERNEL_MAX = 2
-"""Most rows ``_Linear`` may give kvtier's ``linear_rows`` kernel (oneDNN above); at start
-``LlamaModel`` keeps it only for the row counts where it measures faster here."""
-
-
-@dataclass(frozen=True)
-class _Linear:
-    """One projection: the weight ``[out, in]`` as ``F.linear`` takes it, and on the CPU
-    its oneDNN-packed copy ``pack``.
-
-    oneDNN's matmul on a packed weight measured 1.3-3x faster than ``F.linear`` (MKL) on
-    this model's projections on the 2-core AMD EPYC, at every row count from 1 to 1,024
-    (docs/benchmarks.md, "the runner's matmuls"), so the CPU runner packs every weight once
-    at start. kvtier's own ``linear_rows`` kernel (``kernels`` set) reads the plain weight
-    once for one or two rows and measured 12-22 % faster than oneDNN there, slower from
-    four rows on, on that machine; on others it measured slower at every row count, so
-    ``LlamaModel`` times both at start and keeps it only up to ``rows_max`` rows where it
-    wins. The plain weight is then kept as well (else it is None once packed).
-    """
-
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-    pack: torch.Tensor | None
-    kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
-    rows_max: int = ROWS_KERNEL_MAX
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, in]`` → ``[N, out]``."""
-        if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
-            return self.kernels.linear_rows(x, self.weight, self.bias)
-        if self.pack is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
-        assert self.weight is not None
-        return F.linear(x, self.weight, self.bias)
-
-
-def _rows_kernel_max(linears: list[_Linear], repeats: int = 2) -> int:
-    """The most rows (0 .. ``ROWS_KERNEL_MAX``) up to which ``linear_rows`` beat oneDNN on
-    these projections, timed through all of them (so the weights come from memory, as in
-    a step) at the current thread count; 0 where either is missing."""
-    usable = [x for x in linears if x.kernels is not None and x.pack is not None]
-    if not usable or len(usable) < len(linears):
-        return ROWS_KERNEL_MAX if usable else 0
-    best = 0
-    for rows in range(1, ROWS_KERNEL_MAX + 1):
-        inputs = [
-            torch.randn(rows, lin.weight.shape[1]) for lin in usable if lin.weight is not None
-        ]
-        times = []
-        for limit in (ROWS_KERNEL_MAX, 0):  # linear_rows, then oneDNN
-            chosen = [dataclasses.replace(lin, rows_max=limit) for lin in usable]
-            fastest = float("inf")
-            for _ in range(repeats + 1):  # the first pass warms up
-                start = time.perf_counter()
-                for lin, x in zip(chosen, inputs, strict=True):
-                    lin(x)
-                fastest = min(fastest, time.perf_counter() - start)
-            times.append(fastest)
-        if times[0] >= times[1]:
-            break
-        best = rows
-    return best
-
-
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a CPU weight ``[out, in]``; None where torch has no oneDNN
-    (or the weight is not on the CPU, or not float32/bfloat16)."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in (torch.float32, torch.bfloat16)
-        or not torch.backends.mkldnn.is_available()
-        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    ):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
-
-
-_PACK_ROWS = 16
-"""The row count oneDNN packs the weights for; any count runs (16 measured best or equal
-from 1 to 1,024 rows)."""
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any | None) -> _Linear:
-    """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None."""
-    pack = _onednn_pack(weight)
-    out_features, in_features = weight.shape
-    fits = in_features % 16 == 0 and out_features % 4 == 0  # linear_rows' shape rule
-    kernels = ops if ops is not None and fits else None
-    weight = weight.detach().contiguous()
-    keep = pack is None or kernels is not None
-    return _Linear(weight if keep else None, bias, pack, kernels)
 
 
 @dataclass(frozen=True)
@@ -143,13 +50,13 @@ class _Layer:
     """One decoder layer's weights."""
 
     input_norm: torch.Tensor  # [H]
-    qkv: _Linear  # [(Hq + 2 Hkv) * D, H]
+    qkv: Linear  # [(Hq + 2 Hkv) * D, H]
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None
-    o: _Linear  # [H, Hq * D]
+    o: Linear  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: _Linear  # [2 I, H]
-    down: _Linear  # [H, I]
+    gate_up: Linear  # [2 I, H]
+    down: Linear  # [H, I]
 
 
 def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -189,15 +96,20 @@ class LlamaModel:
         cpu32 = weight.is_cpu and weight.dtype == torch.float32
         # kvtier's CPU kernels (float32), or None: torch's ops
         self.ops = native.ops() if cpu32 else None
-        self.lm_head = _linear(weight, None, self.ops)  # [V, H]
+        self.lm_head = make_linear(weight, None, self.ops)  # [V, H]
         self.rotary = base.rotary_emb
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
         layers = [self._fuse(layer) for layer in base.layers]
-        # linear_rows against oneDNN, measured here on the MLP's weights (the bulk of them)
-        self.rows_kernel_max = _rows_kernel_max(
-            [x for layer in layers for x in (layer.gate_up, layer.down)]
-        )
+        # linear_rows against oneDNN, measured here on the MLP's weights (the bulk of them),
+        # once per model and thread count in a process
+        measured = MEASURED_ROWS.setdefault(model, {})
+        threads = torch.get_num_threads()
+        if threads not in measured:
+            measured[threads] = rows_kernel_max(
+                [x for layer in layers for x in (layer.gate_up, layer.down)]
+            )
+        self.rows_kernel_max = measured[threads]
         rows = self.rows_kernel_max
         self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
         self.layers = [
@@ -249,13 +161,13 @@ class LlamaModel:
         ops = self.ops
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv=_linear(qkv, _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]), ops),
+            qkv=make_linear(qkv, _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]), ops),
             q_norm=q_norm.weight if q_norm is not None else None,
             k_norm=k_norm.weight if k_norm is not None else None,
-            o=_linear(attn.o_proj.weight, attn.o_proj.bias, ops),
+            o=make_linear(attn.o_proj.weight, attn.o_proj.bias, ops),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias]), ops),
-            down=_linear(mlp.down_proj.weight, mlp.down_proj.bias, ops),
+            gate_up=make_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias]), ops),
+            down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, ops),
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""The CPU runner's projections: ``Linear`` (one weight, its oneDNN-packed copy, and
+kvtier's ``linear_rows`` kernel for the few-row case), ``make_linear`` and
+``rows_kernel_max``, which times ``linear_rows`` against oneDNN on a model's own weights.
+
+``Linear`` is immutable and its call only reads its weights (safe from any thread);
+``MEASURED_ROWS`` is written by the thread building a ``LlamaModel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROWS_KERNEL_MAX = 2
+"""Most rows ``Linear`` may give kvtier's ``linear_rows`` kernel (oneDNN above); at start
+``LlamaModel`` keeps it only for the row counts where it measures faster here."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One projection: the weight ``[out, in]`` as ``F.linear`` takes it, and on the CPU
+    its oneDNN-packed copy ``pack``.
+
+    oneDNN's matmul on a packed weight measured 1.3-3x faster than ``F.linear`` (MKL) on
+    this model's projections on the 2-core AMD EPYC, at every row count from 1 to 1,024
+    (docs/benchmarks.md, "the runner's matmuls"), so the CPU runner packs every weight once
+    at start. kvtier's own ``linear_rows`` kernel (``kernels`` set) reads the plain weight
+    once for one or two rows and measured 12-22 % faster than oneDNN there, slower from
+    four rows on, on that machine; on others it measured slower at every row count, so
+    ``LlamaModel`` times both at start and keeps it only up to ``rows_max`` rows where it
+    wins. The plain weight is then kept as well (else it is None once packed).
+    """
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    pack: torch.Tensor | None
+    kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
+    rows_max: int = ROWS_KERNEL_MAX
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, in]`` → ``[N, out]``."""
+        if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
+            return self.kernels.linear_rows(x, self.weight, self.bias)
+        if self.pack is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+
+MEASURED_ROWS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
+"""``rows_kernel_max`` per model and torch thread count, measured once in a process."""
+
+
+def rows_kernel_max(linears: list[Linear], repeats: int = 2) -> int:
+    """The most rows (0 .. ``ROWS_KERNEL_MAX``) up to which ``linear_rows`` beat oneDNN on
+    these projections, timed through all of them (so the weights come from memory, as in
+    a step) at the current thread count; 0 where either is missing."""
+    usable = [x for x in linears if x.kernels is not None and x.pack is not None]
+    if not usable or len(usable) < len(linears):
+        return ROWS_KERNEL_MAX if usable else 0
+    best = 0
+    for rows in range(1, ROWS_KERNEL_MAX + 1):
+        inputs = [
+            torch.randn(rows, lin.weight.shape[1]) for lin in usable if lin.weight is not None
+        ]
+        times = []
+        for limit in (ROWS_KERNEL_MAX, 0):  # linear_rows, then oneDNN
+            chosen = [dataclasses.replace(lin, rows_max=limit) for lin in usable]
+            fastest = float("inf")
+            for _ in range(repeats + 1):  # the first pass warms up
+                start = time.perf_counter()
+                for lin, x in zip(chosen, inputs, strict=True):
+                    lin(x)
+                fastest = min(fastest, time.perf_counter() - start)
+            times.append(fastest)
+        if times[0] >= times[1]:
+            break
+        best = rows
+    return best
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a CPU weight ``[out, in]``; None where torch has no oneDNN
+    (or the weight is not on the CPU, or not float32/bfloat16)."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not torch.backends.mkldnn.is_available()
+        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+_PACK_ROWS = 16
+"""The row count oneDNN packs the weights for; any count runs (16 measured best or equal
+from 1 to 1,024 rows)."""
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any | None) -> Linear:
+    """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None."""
+    pack = _onednn_pack(weight)
+    out_features, in_features = weight.shape
+    fits = in_features % 16 == 0 and out_features % 4 == 0  # linear_rows' shape rule
+    kernels = ops if ops is not None and fits else None
+    weight = weight.detach().contiguous()
+    keep = pack is None or kernels is not None
+    return Linear(weight if keep else None, bias, pack, kernels)
