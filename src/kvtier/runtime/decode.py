@@ -84,9 +84,9 @@ class DecodeBatch:
         data = slab.data
         self.ops = native.ops() if data.dtype == torch.float32 and data.is_cpu else None
         # Rows with chunks attended in the host pool (native path only, see ``collect``):
-        # (index among the rows, its step row, its hosted slots, its sequence).
+        # (its step row, its hosted slots, its sequence).
         self.hosted = [
-            (i, int(rows[i]), kv.plan.hosted_index[0], kv)
+            (int(rows[i]), kv.plan.hosted_index[0], kv)
             for i, kv in enumerate(self.kvs)
             if kv.plan is not None and kv.plan.hosted and kv.plan.hosted[0]
         ]
@@ -235,7 +235,7 @@ class DecodeBatch:
         """Attend each hosted row's chunks in the host pool (``attend_slots``, in place)
         and merge them exactly into its output (both with their log-sum-exp)."""
         assert self.ops is not None
-        for _, row, slots, kv in self.hosted:
+        for row, slots, kv in self.hosted:
             start = time.perf_counter()
             q = query[0, :, row : row + 1]  # [Hq, 1, D]
             host_out = torch.empty(1, q.shape[0], q.shape[2])
