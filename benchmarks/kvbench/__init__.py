@@ -18,4 +18,5 @@ BENCHMARKS = (
     "librarian",
     "flood",
     "plan",
+    "overlap",
 )

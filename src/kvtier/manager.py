@@ -220,14 +220,8 @@ class KVManager:
             self._count_dropped(len(todo))
             return
         then = self._then_copy_down(index + 1)
-        steps = [
-            CopyStep(
-                self.layout.chunk_nbytes,
-                range(0),
-                Move(hop, r, hop.upper, hop.lower, as_use=False, then=then),
-            )
-            for r in todo
-        ]
+        moves = [Move(hop, r, hop.upper, hop.lower, as_use=False, then=then) for r in todo]
+        steps = [CopyStep(self.layout.chunk_nbytes, range(0), m, skip=m.landed) for m in moves]
         handle = hop.link.submit(steps, 0) if block else hop.link.try_submit(steps, 0)
         if handle is None:  # the link is full: drop rather than stall the caller
             self._count_dropped(len(todo))
@@ -308,7 +302,7 @@ class KVManager:
                 on_corrupt=lambda: self.count_recompute("corrupt"),
             )
             by_hop.setdefault(level - 1, []).append(
-                CopyStep(self.layout.chunk_nbytes, range(0), move)
+                CopyStep(self.layout.chunk_nbytes, range(0), move, skip=move.landed)
             )
         return by_hop
 

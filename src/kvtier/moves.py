@@ -104,6 +104,17 @@ class Move:
         self.on_corrupt = on_corrupt
         self.then = then
 
+    def landed(self) -> bool:
+        """True (and the outcome told) when ``target`` already holds the chunk: the step
+        can be skipped (``CopyStep.skip``)."""
+        if not self.target.contains(self.ref):
+            return False
+        if self.outcome is not None:
+            self.outcome(self.target.name)
+        if self.then is not None:
+            self.then(self.ref)
+        return True
+
     def __call__(self) -> None:
         result = self._move()
         if self.outcome is not None:

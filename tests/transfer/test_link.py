@@ -13,6 +13,7 @@ from kvtier.transfer import (
     CopyStep,
     Link,
     LinkStats,
+    Throttle,
     TransferError,
     TransferHandle,
 )
@@ -243,3 +244,19 @@ def test_cuda_link_copies_host_to_device_layer_by_layer() -> None:
         assert "cuda stream" in link.describe()
     stats = link.stats()
     assert stats.transfers == 2 and stats.bytes == 2 * src.numel() * 4
+
+
+def test_a_step_whose_result_is_there_is_skipped_without_pacing_or_counting() -> None:
+    ran: list[int] = []
+    throttle = Throttle(gbps=1e-6)  # 1,000 bytes take a second
+    with Link("host<->disk", max_inflight_bytes=10_000, throttle=throttle) as lk:
+        steps = [
+            CopyStep(1000, range(0), partial(ran.append, i), skip=lambda i=i: i != 2)
+            for i in range(4)
+        ]
+        handle = lk.submit(steps, num_layers=0)
+        handle.wait(timeout_s=WAIT_S)
+        stats = lk.stats()
+    assert ran == [2]  # only the step whose result was not there ran
+    assert handle.done and not handle.failed
+    assert stats.steps == 1 and stats.bytes == 1000

@@ -41,6 +41,10 @@ class EngineConfig:
             prefilling sequence). None: one chunk, so decoding sequences wait at most one
             chunk's prefill per token; more trades their inter-token latency for
             throughput (fewer steps, larger forwards).
+        reuse_overlap: a reused prefix whose chunks lie below host (disk) has its front
+            computed while its back loads, meeting where the two cross, when the cost
+            model predicts the load takes longer than one prefill piece
+            (``kvtier.engine.overlap``). False: those chunks always load first.
         runner: the model's forward: ``auto`` runs kvtier's own for the Llama family
             (Llama, Mistral, Qwen2, Qwen3) and transformers' modelling for the rest;
             ``kvtier`` requires kvtier's; ``transformers`` always uses transformers'.
@@ -59,6 +63,7 @@ class EngineConfig:
     device_budget_bytes: int | None = None
     preempt_after_s: float | None = None
     prefill_tokens_per_step: int | None = None
+    reuse_overlap: bool = True
     runner: str = "auto"
 
     @property

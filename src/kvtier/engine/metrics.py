@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from kvtier.engine.stats import EngineStats, HistogramSnapshot
 from kvtier.manager import ManagerStats
 from kvtier.runtime import CacheStats
+from kvtier.runtime.ledger import DecisionCost
 
 # Seconds; spans an inter-token gap on a GPU to a long prefill behind a queue on a CPU.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
@@ -102,6 +103,7 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTER_NAMES, 0)
         self._reused_by_tier: dict[str, int] = {}
+        self._decisions: dict[str, DecisionCost] = {}
         self._max_decode_batch = 0
         self._service_s: float | None = None  # moving average of arrival → finish
         self.ttft = LatencyHistogram()
@@ -120,9 +122,21 @@ class EngineMetrics:
         count: a fault may have cut the adopted prefix short)."""
         with self._lock:
             self._counts["prompt_tokens"] += prompt_tokens
+        self.add_reused(reused_tokens, tiers, chunk_tokens)
+
+    def add_reused(self, reused_tokens: int, tiers: Sequence[str], chunk_tokens: int) -> None:
+        """Prompt tokens adopted from the tiers (at admission, or later: the back of a
+        prefix that loaded while its front was computed), with the tier that held each of
+        their chunks (the first ``reused_tokens // chunk_tokens`` of ``tiers``)."""
+        with self._lock:
             self._counts["reused_tokens"] += reused_tokens
             for name in tiers[: reused_tokens // chunk_tokens]:
                 self._reused_by_tier[name] = self._reused_by_tier.get(name, 0) + chunk_tokens
+
+    def add_decision(self, name: str, cost: DecisionCost) -> None:
+        """One reuse decision's chunks and seconds (``kvtier.engine.overlap``)."""
+        with self._lock:
+            self._decisions = DecisionCost.total([self._decisions, {name: cost}])
 
     def observe_batch(self, rows: int) -> None:
         """A decode forward of ``rows`` sequences."""
@@ -152,6 +166,7 @@ class EngineMetrics:
         stats the caller read (see ``EngineStats`` for each field)."""
         with self._lock:
             counts, by_tier = dict(self._counts), dict(self._reused_by_tier)
+            decisions = dict(self._decisions)
             max_batch = self._max_decode_batch
         return EngineStats(
             requests_submitted=counts["submitted"],
@@ -176,4 +191,5 @@ class EngineMetrics:
             prefetched_chunks=counts["prefetched_chunks"],
             isolated_failures=counts["isolated_failures"],
             recovered_sequences=counts["recovered_sequences"],
+            reuse_decisions=decisions,
         )

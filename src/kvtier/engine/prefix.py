@@ -33,7 +33,9 @@ class PrefixMatcher:
 
     def prefetch(self, seq: Sequence, step: int) -> None:
         """Once per wait, with a tier below host: look the prefix up (the match stays on
-        ``seq``) and start moving its chunks held below host up into host.
+        ``seq``) and start moving its chunks held below host up into host, last first: an
+        admission that loads them all waits as long either way, and one that computes the
+        front while the back loads (``kvtier.engine.overlap``) needs the back first.
 
         Only a hint: a failure here is logged and admission looks the prefix up again."""
         if seq.prefetched:
@@ -46,7 +48,7 @@ class PrefixMatcher:
             match = self._lookup(seq, prefix_limit(len(seq.ids), self.chunk_tokens), step)
             host = manager.host.name
             todo = [r for r, tier in zip(match.refs, match.tiers, strict=True) if tier != host]
-            if todo and manager.prefetch_to_host(todo) is not None:
+            if todo and manager.prefetch_to_host(todo[::-1]) is not None:
                 self.metrics.add("prefetched_chunks", len(todo))
         except Exception:
             log.exception(

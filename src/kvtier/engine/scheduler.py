@@ -8,9 +8,11 @@ Every ``step`` reads schedule → run → postprocess:
    the oldest waiting sequences while a cache is free (each running sequence holds one
    ``SequenceKV`` of ``cache.device_budget_bytes``) and the host tier holds the sealed
    chunks of all of them at their longest, preempting when due
-   (``kvtier.engine.policy``); then pick the step's pieces: the next prefill
-   piece (whole chunks) of the oldest admitted sequences still prefilling (one chunk, or up
-   to ``prefill_tokens_per_step`` tokens), and the last token of every decoding sequence.
+   (``kvtier.engine.policy``); admission adopts the cached prefix, or its host part and
+   later the rest (``kvtier.engine.overlap``: the front computes while the back loads).
+   Then pick the step's pieces: the next prefill piece (whole chunks) of the oldest
+   admitted sequences still prefilling (one chunk, or up to ``prefill_tokens_per_step``
+   tokens; first adopting a loaded back), and the last token of every decoding sequence.
 2. **run**: one forward over those pieces packed in one row (``kvtier.engine.runner``),
    timed: the work model (``kvtier.engine.work``) that admission predicts with learns
    from it.
@@ -35,12 +37,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-
 from kvtier.engine.cache_pool import CachePool
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.handoff import Handoff
 from kvtier.engine.metrics import EngineMetrics
+from kvtier.engine.overlap import ReuseOverlap
 from kvtier.engine.policy import choose_victim, next_in_line
 from kvtier.engine.postprocess import postprocess
 from kvtier.engine.prefix import PrefixMatcher
@@ -94,6 +95,10 @@ class BatchScheduler:
         # Chunks per prefill forward: one, or as many as the step's prefill budget holds.
         self._piece_chunks = max(1, self.prefill_budget_tokens // self.chunk_tokens)
         self.prefixes = PrefixMatcher(manager, metrics)
+        piece_tokens = self._piece_chunks * self.chunk_tokens
+        self.overlap = ReuseOverlap(
+            manager, handoff.work, metrics, piece_tokens, config.reuse_overlap
+        )
         self.waiting: deque[Sequence] = deque()  # submitted, oldest first
         self.running: list[Sequence] = []
         self.preempted: deque[Sequence] = deque()  # waiting to resume, oldest first
@@ -232,29 +237,55 @@ class BatchScheduler:
         plan its prefill in pieces; a failure here fails it alone."""
         cache = self.caches.take()
         salt = seq.handle.request.cache_salt
+        first = seq.admissions == 0  # a resume's prompt was counted at its first admission
         try:
             match = self.prefixes.match(seq, cache, self._steps)
-            ids = torch.tensor([seq.ids], dtype=torch.long)
-            reused_tokens = cache.reuse_prefix(ids, salt, match=match)
+            reused_tokens, seq.back = self.overlap.adopt(cache, seq.ids, salt, match, first)
         except Exception as exc:
             self.caches.replace(cache)
             self._fail(seq, exc)
             return
-        if seq.admissions == 0:  # a resume's prompt was counted at its first admission
+        if first:
             seq.handle.reused_tokens = reused_tokens
             self.metrics.add_prompt(len(seq.ids), reused_tokens, match.tiers, self.chunk_tokens)
         seq.cache = cache
         seq.admitted = next(self._admissions)
         seq.admitted_s = time.perf_counter()
         seq.admissions += 1
+        self._plan_prefill(seq)
+        self.running.append(seq)
+        self._publish()
+
+    def _plan_prefill(self, seq: Sequence) -> None:
+        """Split the rest of ``seq``'s prompt (after what its cache holds) into pieces."""
+        assert seq.cache is not None
+        seq.pieces.clear()
         size = self.chunk_tokens
-        pos, end = cache.seq_len, len(seq.ids)
+        pos, end = seq.cache.seq_len, len(seq.ids)
         while pos < end:  # pieces end on chunk boundaries, so each seals whole chunks
             stop = min(end, (pos // size + self._piece_chunks) * size)
             seq.pieces.append((pos, stop))
             pos = stop
-        self.running.append(seq)
-        self._publish()
+
+    def _meet(self, seq: Sequence) -> None:
+        """Before ``seq``'s next piece: adopt its prefix's back if it has loaded (a
+        failure leaves it to compute: only an optimisation)."""
+        back, cache = seq.back, seq.cache
+        assert back is not None and cache is not None
+        try:
+            settled, adopted = self.overlap.meet(cache, seq.ids, back)
+        except Exception:
+            log.exception(
+                "adopting the loaded chunks of request %s failed; computing them",
+                seq.handle.request_id,
+            )
+            settled, adopted = True, 0
+        if settled:
+            seq.back = None
+        if adopted:
+            if back.count:
+                seq.handle.reused_tokens += adopted
+            self._plan_prefill(seq)
 
     def _pieces(self) -> list[Piece]:
         """This step's work. Prefilling sequences, oldest first, give their next piece
@@ -264,6 +295,8 @@ class BatchScheduler:
         spent = 0
         prefilling = sorted((s for s in self.running if not s.decoding), key=lambda s: s.admitted)
         for seq in prefilling:
+            if seq.back is not None:
+                self._meet(seq)
             start, stop = seq.pieces[0]
             if work and spent + stop - start > self.prefill_budget_tokens:
                 break

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvtier.engine.overlap import BackLoad
 from kvtier.engine.request import RequestHandle
 from kvtier.engine.sampling import TextStream, make_generator
 from kvtier.manager import LookupResult
@@ -52,6 +53,7 @@ class Sequence:
     suspect: bool = False  # was in a step that failed: runs alone until a step succeeds
     recoveries: int = 0  # resumed after its KV was lost from every tier (recomputed)
     pieces: deque[tuple[int, int]] = field(default_factory=deque)  # prefill [start, stop)
+    back: BackLoad | None = None  # its prefix's back, loading while the front is computed
 
     def wait_again(self, suspect: bool = False) -> None:
         """Back to waiting without a cache (preempted, or retried after a fault): the next
@@ -60,6 +62,7 @@ class Sequence:
         self.decoding, self.suspect, self.prefetched = False, suspect, False
         self.prefix, self.prefix_step = None, -1
         self.pieces.clear()
+        self.back = None  # its loads go on into host; the next admission finds them there
 
 
 class Piece(NamedTuple):

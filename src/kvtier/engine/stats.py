@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvtier.manager import ManagerStats
 from kvtier.runtime import CacheStats
+from kvtier.runtime.ledger import DecisionCost
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class EngineStats:
             sequences retried alone, so only one that fails on its own fails.
         recovered_sequences: sequences that lost KV from every tier mid-generation
             (corrupt or evicted) and resumed by recomputing it.
+        reuse_decisions: for prefixes whose chunks lay below host, by decision (``load``:
+            chunks adopted from a lower tier; ``recompute``: chunks computed while the rest
+            loaded), with predicted and measured seconds (``kvtier.engine.overlap``).
     """
 
     requests_submitted: int
@@ -96,6 +100,7 @@ class EngineStats:
     prefetched_chunks: int = 0
     isolated_failures: int = 0
     recovered_sequences: int = 0
+    reuse_decisions: dict[str, DecisionCost] = field(default_factory=dict)
 
     @property
     def mean_decode_batch(self) -> float:

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 def adopt_chunks(kv: SequenceKV, ids: torch.Tensor, salt: str, match: LookupResult | None) -> int:
     """Adopt the whole cached chunks of ``ids [B, S]`` (shared by every row); returns the
     tokens adopted. ``match``: a caller's lookup of the one row's prefix."""
-    size = kv.layout.chunk_tokens
     limit = kv.prefix_limit(ids.shape[1])
     if match is not None and (ids.shape[0] != 1 or match.hit_tokens > limit):
         raise ValueError("match: a lookup of one row's prefix (at most prefix_limit tokens)")
@@ -67,17 +66,56 @@ def adopt_chunks(kv: SequenceKV, ids: torch.Tensor, salt: str, match: LookupResu
         if adopted == 0:
             return 0
         kv.start_batch(ids.shape[0])
-        hit = kv.state.adopt([r[:adopted] for r in refs], ids, size)
-        placed: list[tuple[int, int, Chunk]] = []
-        for row, row_refs in enumerate(kv.state.refs):
-            for index, ref in enumerate(row_refs):
-                view = kv.host.view(ref)  # pinned above: held until placed
-                if view is not None:
-                    placed.append((row, index, Chunk(ref, view)))
-        kv.arena.place(placed, kv.state.refs)
+        return _adopt_pinned(kv, ids, [r[:adopted] for r in refs])
     finally:
         kv.host.unpin(held)
+
+
+def _adopt_pinned(kv: SequenceKV, ids: torch.Tensor, refs: list[list[ChunkRef]]) -> int:
+    """Adopt ``refs`` per row (pinned in host by the caller) after the sealed chunks and
+    place them on the device by the arena's rules; returns the tokens adopted."""
+    base = kv.state.sealed_chunks
+    hit = kv.state.adopt(refs, ids, kv.layout.chunk_tokens)
+    placed: list[tuple[int, int, Chunk]] = []
+    for row, row_refs in enumerate(refs):
+        for j, ref in enumerate(row_refs):
+            view = kv.host.view(ref)  # pinned: held until placed
+            if view is not None:
+                placed.append((row, base + j, Chunk(ref, view)))
+    kv.arena.place(placed, kv.state.refs)
     return hit
+
+
+def adopt_loaded(kv: SequenceKV, ids: torch.Tensor, refs: list[ChunkRef]) -> int:
+    """After the sealed chunks of one row, adopt the leading run of ``refs`` that host
+    holds now (no promotion: this never waits on a lower tier); returns its tokens.
+
+    ``refs`` continue the row's chain over ``ids [1, S]`` (the prompt, computed part
+    included): the first one's key is checked against the sealed chunks' last, so a wrong
+    list adopts nothing. The state must hold whole chunks only (no tail, no pass open).
+
+    Raises:
+        ValueError: more chunks than ``prefix_limit`` leaves room for.
+    """
+    state, size = kv.state, kv.layout.chunk_tokens
+    if not refs or state.rows > 1 or state.tail_len or kv.plan is not None:
+        return 0
+    base = state.sealed_chunks
+    if (base + len(refs)) * size > kv.prefix_limit(ids.shape[1]):
+        raise ValueError("adopt_loaded: the chunks reach past the prompt's prefix limit")
+    parent = state.refs[0][-1].key if base else None
+    first = ids[0, base * size : (base + 1) * size].numpy()
+    if kv.manager.hasher.key(parent, first, state.salt) != refs[0].key:
+        return 0  # not this row's next chunk
+    pinned = kv.host.pin(refs)
+    try:
+        run = next((i for i, ok in enumerate(pinned) if not ok), len(refs))
+        if not run:
+            return 0
+        kv.start_batch(1)
+        return _adopt_pinned(kv, ids, [list(refs[:run])])
+    finally:
+        kv.host.unpin([r for r, ok in zip(refs, pinned, strict=True) if ok])
 
 
 def _page_limit(num_tokens: int, page: int) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.config import TieredCacheConfig
-from kvtier.kv.chunk import Chunk
+from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.spec import check_update
 from kvtier.manager import KVManager, LookupResult
@@ -274,7 +274,11 @@ class SequenceKV:
         return prefix_limit(num_tokens, self.layout.chunk_tokens)
 
     def reuse_prefix(
-        self, input_ids: torch.Tensor, salt: str = "", match: LookupResult | None = None
+        self,
+        input_ids: torch.Tensor,
+        salt: str = "",
+        match: LookupResult | None = None,
+        pages: bool = True,
     ) -> int:
         """Adopt the longest cached prefix of a prompt from any tier; returns its tokens.
 
@@ -283,6 +287,7 @@ class SequenceKV:
         ``salt`` is the tenant's: only chunks keyed under it are adopted, and the chunks
         sealed until ``reset`` are keyed under it too. ``match``: the caller's lookup of
         the one row's ``input_ids[:prefix_limit]`` under ``salt``; None looks it up here.
+        ``pages=False`` adopts whole chunks only (more may follow: ``adopt_loaded``).
         """
         if self.state.seq_len:
             raise ValueError("reuse_prefix: the cache already holds tokens; call reset() first")
@@ -291,9 +296,19 @@ class SequenceKV:
             ids = ids.unsqueeze(0)
         self.state.salt = salt
         hit = reuse.adopt_chunks(self, ids, salt, match)
-        if ids.shape[0] == 1:
+        if ids.shape[0] == 1 and pages:
             hit += reuse.adopt_pages(self, ids)
         self.reused_tokens = hit
+        return hit
+
+    def adopt_loaded(self, input_ids: torch.Tensor, refs: list[ChunkRef]) -> int:
+        """After the sealed chunks (one row, no tail), adopt the leading run of ``refs``
+        that host holds now, without waiting on a lower tier; returns its tokens. The
+        engine computes a reused prefix's front while its back loads, then adopts the back
+        here. See ``kvtier.runtime.reuse.adopt_loaded``."""
+        ids = input_ids.detach().to("cpu", torch.int64).reshape(1, -1)
+        hit = reuse.adopt_loaded(self, ids, refs)
+        self.reused_tokens += hit
         return hit
 
     def seal_partial(self, upto: int | None = None) -> int:

@@ -48,14 +48,22 @@ class SequenceState:
         self.refs = [[] for _ in range(rows)]
 
     def adopt(self, refs: list[list[ChunkRef]], ids: torch.Tensor, chunk_tokens: int) -> int:
-        """Take a reused prefix: ``refs`` per row and the prompt ids ``[B, S]``; returns the
-        tokens adopted (``len(refs[0]) * chunk_tokens``)."""
-        hit = len(refs[0]) * chunk_tokens
-        self.refs = refs
-        self.seq_len = hit
-        self.token_ids = ids[:, :hit].clone()
-        self.valid = torch.ones(ids.shape[0], hit, dtype=torch.bool)
-        return hit
+        """Take reused chunks after the sealed ones: ``refs`` per row and the prompt ids
+        ``[B, S]`` (every token held after them); returns the tokens adopted
+        (``len(refs[0]) * chunk_tokens``).
+
+        Raises:
+            ValueError: the state holds a tail or padding (chunks follow whole chunks only).
+        """
+        if self.tail_len or (self.seq_len and not bool(self.valid.all())):
+            raise ValueError("adopt: reused chunks follow whole, unpadded chunks only")
+        held = self.refs if self.refs else [[] for _ in refs]
+        self.refs = [old + new for old, new in zip(held, refs, strict=True)]
+        held_len = len(self.refs[0]) * chunk_tokens
+        self.seq_len = held_len
+        self.token_ids = ids[:, :held_len].clone()
+        self.valid = torch.ones(ids.shape[0], held_len, dtype=torch.bool)
+        return len(refs[0]) * chunk_tokens
 
     def adopt_tail(self, ids: torch.Tensor, tail_tokens: int) -> None:
         """Take a reused partial chunk's ``tail_tokens`` into the tail: ``ids [1, S]`` are

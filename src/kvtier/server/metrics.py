@@ -144,10 +144,12 @@ class EngineCollector(Collector):
         )
         measured = CounterMetricFamily(
             "kvtier_decision_measured_seconds",
-            "the seconds they took (stream: link busy; host: host attention calls)",
+            "the seconds they took (stream: link busy; host: host attention calls; load, "
+            "recompute: admission until the chunks were in place)",
             labels=["decision"],
         )
-        decisions = stats.cache.decisions if stats.cache is not None else {}
+        decisions = dict(stats.cache.decisions) if stats.cache is not None else {}
+        decisions.update(stats.reuse_decisions)  # load / recompute: distinct names
         for name, cost in decisions.items():
             chunks.add_metric([name], cost.chunks)
             nbytes.add_metric([name], cost.nbytes)

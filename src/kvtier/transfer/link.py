@@ -320,6 +320,9 @@ class Link:
         handle.mark_started()
         ok = True
         for i, step in enumerate(handle.steps):
+            if step.skip is not None and step.skip():
+                handle.step_done(i, self._layers_event(handle, i))
+                continue
             t0 = time.perf_counter()
             deadline_s = self._clock.reserve(step.nbytes, t0) if self._clock is not None else None
             try:
@@ -340,11 +343,7 @@ class Link:
                     self._stats.bytes += step.nbytes
             if not ok:
                 break  # the rest of a failed transfer is skipped
-            event = None
-            if self.stream is not None and handle.finishing_layers(i):
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            handle.step_done(i, event)
+            handle.step_done(i, self._layers_event(handle, i))
         if self.stream is None or start_event is None:
             if ok:
                 handle.mark_issued()
@@ -355,6 +354,14 @@ class Link:
         if ok:
             handle.mark_issued(done_event)
         self._issued.append(_Issued(handle, start_event, done_event))
+
+    def _layers_event(self, handle: TransferHandle, step_idx: int) -> torch.cuda.Event | None:
+        """On CUDA, an event after step ``step_idx`` where it completes layers."""
+        if self.stream is None or not handle.finishing_layers(step_idx):
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _retire_issued(self, block: bool) -> None:
         """Retire CUDA transfers the device has run; with ``block``, wait for the oldest."""

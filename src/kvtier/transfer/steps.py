@@ -25,11 +25,15 @@ class CopyStep:
             worker thread (on CUDA, inside the link's copy stream); it must not submit to
             its own link. The buffers it touches belong to the caller, who keeps them
             alive and leaves them unchanged until the transfer is done.
+        skip: asked on the worker just before the step: True means its result is already
+            where it goes (e.g. a chunk computed meanwhile), so the step is done without
+            running, and its bytes neither pace the throttle nor count as moved.
     """
 
     nbytes: int
     layers: range
     run: Callable[[], None]
+    skip: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.nbytes, int) or self.nbytes < 0:
