@@ -152,9 +152,11 @@ def test_prefetch_to_host_promotes_in_background(layout: KVLayout, tmp_path: Pat
         ids = np.arange(16 * 4)
         chunks = sequence_chunks(manager, ids)
         manager.store(chunks)  # chunks 0 and 1 end up on disk only
-        handle = manager.prefetch_to_host([c.ref for c in chunks[:2]])
-        assert handle is not None
-        handle.wait()
+        handles = manager.prefetch_to_host([c.ref for c in chunks[:2]])
+        assert len(handles) == 2  # one transfer per chunk
+        assert manager.prefetch_to_host([c.ref for c in chunks[:2]]) == []  # in flight or in
+        for handle in handles:
+            handle.wait()
         assert manager.lookup(ids).tiers[:2] == ["host", "host"]
 
 

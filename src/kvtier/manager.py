@@ -38,7 +38,7 @@ import numpy as np
 
 from kvtier.config import LinkConfig, ManagerConfig
 from kvtier.kv.chunk import Chunk, ChunkRef
-from kvtier.kv.keys import KeyHasher, Namespace
+from kvtier.kv.keys import ChunkKey, KeyHasher, Namespace
 from kvtier.kv.layout import KVLayout
 from kvtier.manager_stats import RECOMPUTE_CAUSES, LookupResult, ManagerStats
 from kvtier.moves import Hop, Move, outcome_into
@@ -89,6 +89,7 @@ class KVManager:
         self.hasher = KeyHasher(Namespace(model_id, layout, self.config.tenant_salt), digest_bytes)
         self._lock = threading.Lock()  # counters and _pending; never held with another lock
         self._pending: list[TransferHandle] = []
+        self._prefetching: dict[ChunkKey, TransferHandle] = {}  # prefetches in flight
         self._closed = False
         self.tiers: list[Tier] = []
         self.hops: list[Hop] = []
@@ -306,16 +307,34 @@ class KVManager:
             )
         return by_hop
 
-    def prefetch_to_host(self, refs: Sequence[ChunkRef]) -> TransferHandle | None:
-        """Start promoting chunks held below host into host, on their links.
+    def prefetch_to_host(
+        self, refs: Sequence[ChunkRef], wait_for_room: bool = True
+    ) -> list[TransferHandle]:
+        """Start promoting chunks held below host into host, one transfer each, in the
+        order given, on their links.
 
-        Returns the handle of the (last) transfer started, None when nothing needs to
-        move. Chunks already in host are skipped. Blocks only for link back-pressure.
+        Skips chunks host holds and those whose prefetch is still in flight. Blocks only
+        for link back-pressure; with ``wait_for_room=False`` never blocks, and stops at the
+        first chunk its link has no room for. Returns the transfers started.
         """
-        handle = None
-        for index, steps in self._promote_steps(refs, None).items():
-            handle = self._track(self.hops[index].link.submit(steps, num_layers=0))
-        return handle
+        with self._lock:
+            seen = dict(self._prefetching)
+        live = {key: handle for key, handle in seen.items() if not handle.done()}
+        todo = [r for r in refs if r.key not in live]
+        started: list[TransferHandle] = []
+        for index, steps in self._promote_steps(todo, None).items():
+            link = self.hops[index].link
+            for step in steps:
+                handle = link.submit([step], 0) if wait_for_room else link.try_submit([step], 0)
+                if handle is None:
+                    break
+                move = step.run
+                assert isinstance(move, Move)
+                live[move.ref.key] = handle
+                started.append(self._track(handle))
+        with self._lock:  # a concurrent call's entries may be lost: a duplicate is skipped
+            self._prefetching = live
+        return started
 
     def promote(self, refs: Sequence[ChunkRef]) -> list[str]:
         """Bring chunks into host (from the tier below holding each) and say where each

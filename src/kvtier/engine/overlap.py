@@ -125,7 +125,9 @@ class ReuseOverlap:
             predicted = loaded * per_chunk if per_chunk is not None else None
             self._decide("load", loaded, predicted, time.perf_counter() - began)
             return reused, None
-        self.manager.prefetch_to_host(match.refs[first:][::-1])
+        # Never blocks the worker: a chunk the link has no room for now is computed, unless
+        # a later meet finds it loaded after all.
+        self.manager.prefetch_to_host(match.refs[first:][::-1], wait_for_room=False)
         front = LookupResult(start, match.refs[:first], match.tiers[:first])
         reused = cache.reuse_prefix(prompt, salt, match=front, pages=False)
         pending = BackLoad(

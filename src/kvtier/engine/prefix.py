@@ -48,8 +48,10 @@ class PrefixMatcher:
             match = self._lookup(seq, prefix_limit(len(seq.ids), self.chunk_tokens), step)
             host = manager.host.name
             todo = [r for r, tier in zip(match.refs, match.tiers, strict=True) if tier != host]
-            if todo and manager.prefetch_to_host(todo[::-1]) is not None:
-                self.metrics.add("prefetched_chunks", len(todo))
+            # Never blocks the worker: what the link has no room for loads at admission.
+            started = manager.prefetch_to_host(todo[::-1], wait_for_room=False)
+            if started:
+                self.metrics.add("prefetched_chunks", len(started))
         except Exception:
             log.exception(
                 "prefetch for request %s failed; it loads on admission", seq.handle.request_id
