@@ -118,6 +118,11 @@ def run(context: int, repeats: int, seed: int) -> dict[str, Any]:
         "context_tokens": context,
         "chunk_tokens": chunk_tokens,
         "load_only_chunks": loaded_chunks,
+        "derivation": {
+            "recompute_s": recompute,
+            "load_unthrottled_s": unthrottled,
+            "load_s": load_s,
+        },
         "disk_gbps": gbps,
         "repeats": repeats,
         "ttft_s": ttfts,
