@@ -1,15 +1,33 @@
-"""Shared fixtures: tiny layouts and deterministic chunks."""
+"""Shared fixtures: tiny layouts, deterministic chunks and a real Redis Cluster."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 
 from kvtier.kv import Chunk, ChunkRef, KeyHasher, KVLayout, Namespace
+
+if TYPE_CHECKING:
+    from kvbench.redis_cluster import RedisCluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A 3-master, 3-replica Redis Cluster on free loopback ports for the whole session
+    (tests keep apart by key prefix); skipped, with the reason, where ``redis-server`` is
+    not installed (``.ci/run`` installs it)."""
+    from kvbench.redis_cluster import RedisCluster, available  # not in child processes' path
+
+    reason = available()
+    if reason is not None:
+        pytest.skip(f"no Redis here: {reason}")
+    with RedisCluster.start(masters=3, replicas=1) as cluster:
+        yield cluster
 
 
 @pytest.fixture

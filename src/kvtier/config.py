@@ -117,6 +117,65 @@ class DiskConfig(LowerTierConfig):
         super().__post_init__()
 
 
+@dataclass(frozen=True, kw_only=True)
+class RemoteConfig(LowerTierConfig):
+    """A tier in Redis that every kvtier instance pointed at it shares
+    (``kvtier.tiers.remote``): a Redis Cluster, or one server.
+
+    Every chunk host stores is also queued for the store (write-through, whatever the
+    manager's write policy); a miss in host and disk reads through to it.
+
+    Attributes:
+        url: ``redis://[user:password@]host:port`` (``rediss://`` for TLS); for a cluster,
+            any node. AUTH comes from the URL.
+        cluster: True: Redis Cluster (``RedisCluster``); False: one server; None: ask the
+            server (``CLUSTER INFO``) at start.
+        key_prefix: every key starts with ``{key_prefix}:`` (an ACL user can be limited to
+            ``~{key_prefix}:*``).
+        ttl_s: a chunk expires this long after it was written; None: never (the store's
+            own ``maxmemory`` policy then bounds it).
+        timeout_s: each call to the store gives up after this long; the chunk is then
+            recomputed.
+        retry_after_s: after a failed call the tier is skipped this long (calls return at
+            once as misses), then one call tries again.
+        write_behind_chunks: chunks host stored that wait to be written to the store (their
+            refs; the bytes are read from host when written); when full, the oldest waiting
+            write is dropped and counted (``TierStats.writes_dropped``).
+        tls_ca_certs: a CA bundle file for ``rediss://`` (None: the system's).
+        capacity_bytes: not enforced here (the store is shared; Redis's ``maxmemory`` caps
+            it); reported as the tier's budget.
+    """
+
+    kind: ClassVar[str] = "remote"
+    url: str
+    cluster: bool | None = None
+    key_prefix: str = "kvtier"
+    ttl_s: float | None = 24 * 3600.0
+    timeout_s: float = 0.5
+    retry_after_s: float = 2.0
+    write_behind_chunks: int = 64
+    tls_ca_certs: str | None = None
+    capacity_bytes: int = 64 * GiB
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://")):
+            raise ValueError(
+                f"remote.url: must be redis://host:port or rediss://…, got {self.url!r}"
+            )
+        if not self.key_prefix or any(c in self.key_prefix for c in " :{}*?"):
+            raise ValueError(
+                f"remote.key_prefix: a non-empty name without spaces, ':', '{{}}', '*' or '?', "
+                f"got {self.key_prefix!r}"
+            )
+        for name, value in (("timeout_s", self.timeout_s), ("retry_after_s", self.retry_after_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"remote.{name}: must be > 0 seconds, got {value!r}")
+        check_int("remote.write_behind_chunks", self.write_behind_chunks, 1)
+        if self.ttl_s is not None and not self.ttl_s >= 0.001:
+            raise ValueError(f"remote.ttl_s: must be >= 0.001 s or None, got {self.ttl_s!r}")
+        super().__post_init__()
+
+
 @dataclass(frozen=True)
 class ManagerConfig:
     """The KV manager: chunking, the tier stack and the write policy.

@@ -38,10 +38,11 @@ import numpy as np
 
 from kvtier.config import LinkConfig, ManagerConfig
 from kvtier.kv.chunk import Chunk, ChunkRef
-from kvtier.kv.keys import ChunkKey, KeyHasher, Namespace
+from kvtier.kv.keys import KeyHasher, Namespace
 from kvtier.kv.layout import KVLayout
 from kvtier.manager_stats import RECOMPUTE_CAUSES, LookupResult, ManagerStats
-from kvtier.moves import Hop, Move, outcome_into
+from kvtier.moves import Hop, Move
+from kvtier.promotion import Promotions
 from kvtier.tiers.base import Tier
 from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.registry import build_tier
@@ -89,7 +90,6 @@ class KVManager:
         self.hasher = KeyHasher(Namespace(model_id, layout, self.config.tenant_salt), digest_bytes)
         self._lock = threading.Lock()  # counters and _pending; never held with another lock
         self._pending: list[TransferHandle] = []
-        self._prefetching: dict[ChunkKey, TransferHandle] = {}  # prefetches in flight
         self._closed = False
         self.tiers: list[Tier] = []
         self.hops: list[Hop] = []
@@ -108,6 +108,10 @@ class KVManager:
         except BaseException:
             self._close_parts()
             raise
+        self._write_behind = [t for t in self.tiers[1:] if t.takes_write_behind]
+        self._promotions = Promotions(
+            self.host, self.hops, self._level, self._track, lambda: self.count_recompute("corrupt")
+        )
         self._lookups = 0
         self._lookup_tokens = 0
         self._hit_tokens = 0
@@ -200,9 +204,13 @@ class KVManager:
         ``write_through`` each chunk is then copied down the stack, hop by hop, on the
         links; a hop whose link has no room or whose lower tier takes no writes drops the
         copy and counts it (``write_through_dropped``): the chunk still goes down if it is
-        evicted later. With ``write_back`` a chunk goes down only when evicted.
+        evicted later. With ``write_back`` a chunk goes down only when evicted. A tier that
+        ``takes_write_behind`` (the shared tier) gets every chunk queued, whatever the
+        policy (``Tier.write_behind``; never blocks).
         """
         self.host.put(chunks)
+        for tier in self._write_behind:
+            tier.write_behind([c.ref for c in chunks], self.host)
         if self.hops and self.config.write_policy == "write_through":
             self._copy_down(0, [c.ref for c in chunks], block=False)
 
@@ -283,79 +291,18 @@ class KVManager:
 
     # ---- promotion up -----------------------------------------------------------------------
 
-    def _promote_steps(
-        self, refs: Sequence[ChunkRef], outcomes: list[str] | None
-    ) -> dict[int, list[CopyStep]]:
-        """Moves into host for every ref held below it, grouped by the hop whose link
-        runs them (the one just above the tier holding the chunk)."""
-        by_hop: dict[int, list[CopyStep]] = {}
-        for i, ref in enumerate(refs):
-            level = self._level(ref)
-            if level is None or level == 0:
-                continue
-            hop = self.hops[level - 1]
-            move = Move(
-                hop,
-                ref,
-                hop.lower,
-                self.host,
-                outcome=outcome_into(outcomes, i) if outcomes is not None else None,
-                on_corrupt=lambda: self.count_recompute("corrupt"),
-            )
-            by_hop.setdefault(level - 1, []).append(
-                CopyStep(self.layout.chunk_nbytes, range(0), move, skip=move.landed)
-            )
-        return by_hop
-
     def prefetch_to_host(
         self, refs: Sequence[ChunkRef], wait_for_room: bool = True
     ) -> list[TransferHandle]:
         """Start promoting chunks held below host into host, one transfer each, in the
-        order given, on their links.
-
-        Skips chunks host holds and those whose prefetch is still in flight. Blocks only
-        for link back-pressure; with ``wait_for_room=False`` never blocks, and stops at the
-        first chunk its link has no room for. Returns the transfers started.
-        """
-        with self._lock:
-            seen = dict(self._prefetching)
-        live = {key: handle for key, handle in seen.items() if not handle.done()}
-        todo = [r for r in refs if r.key not in live]
-        started: list[TransferHandle] = []
-        for index, steps in self._promote_steps(todo, None).items():
-            link = self.hops[index].link
-            for step in steps:
-                handle = link.submit([step], 0) if wait_for_room else link.try_submit([step], 0)
-                if handle is None:
-                    break
-                move = step.run
-                assert isinstance(move, Move)
-                live[move.ref.key] = handle
-                started.append(self._track(handle))
-        with self._lock:  # a concurrent call's entries may be lost: a duplicate is skipped
-            self._prefetching = live
-        return started
+        order given; see ``kvtier.promotion.Promotions.prefetch``."""
+        return self._promotions.prefetch(refs, wait_for_room)
 
     def promote(self, refs: Sequence[ChunkRef]) -> list[str]:
         """Bring chunks into host (from the tier below holding each) and say where each
-        one stands.
-
-        Blocks until the promotions have landed (and for link back-pressure). Mutates host
-        (promoted chunks, evictions) and the lower tiers (a chunk found corrupt is dropped).
-
-        Returns:
-            For each ref: ``"host"`` (host holds it now; pin it before it can be evicted
-            again), ``"corrupt"`` (its stored copy failed its checks) or ``"missing"`` (in
-            no tier, unreadable, dropped from a write-back queue, or no host slot free).
-        """
-        outcomes = ["host" if self.host.contains(r) else "missing" for r in refs]
-        handles = [
-            self._track(self.hops[index].link.submit(steps, num_layers=0))
-            for index, steps in self._promote_steps(refs, outcomes).items()
-        ]
-        for handle in handles:
-            handle.wait()
-        return outcomes
+        one stands (``"host"``, ``"corrupt"`` or ``"missing"``); blocks until they landed.
+        See ``kvtier.promotion.Promotions.promote``."""
+        return self._promotions.promote(refs)
 
     # ---- lifecycle and stats ----------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,13 +12,18 @@ import pytest
 from kvtier.kv import KVLayout
 from kvtier.tiers import Tier, device_tier, host_tier
 
-TIER_KINDS = ["device", "host", "disk"]
+TIER_KINDS = ["device", "host", "disk", "remote"]
 
 TierFactory = Callable[..., Tier]
 
 
 def build_tier(
-    kind: str, layout: KVLayout, num_slots: int, folder: Path, policy: str = "lru"
+    kind: str,
+    layout: KVLayout,
+    num_slots: int,
+    folder: Path,
+    policy: str = "lru",
+    redis_url: str | None = None,
 ) -> Tier:
     capacity_bytes = num_slots * layout.chunk_nbytes
     if kind == "device":
@@ -28,7 +34,21 @@ def build_tier(
         from kvtier.tiers.disk import DiskTier
 
         return DiskTier(layout, str(folder), capacity_bytes, eviction_policy=policy)
+    if kind == "remote":
+        from kvtier.config import RemoteConfig
+        from kvtier.tiers.remote import RemoteTier
+
+        assert redis_url is not None
+        prefix = f"test{uuid.uuid4().hex[:12]}"  # each tier its own keys on the one cluster
+        return RemoteTier(layout, RemoteConfig(url=redis_url, key_prefix=prefix, cluster=True))
     raise ValueError(kind)
+
+
+def needs_slots(tier: Tier) -> None:
+    """Skip a contract about slots (capacity, pins, eviction order) on the shared tier:
+    Redis is its index, and Redis's TTL and ``maxmemory`` policy evict."""
+    if tier.name == "remote":
+        pytest.skip("the remote tier has no slots, pins or eviction order of its own")
 
 
 @pytest.fixture(params=TIER_KINDS)
@@ -37,10 +57,12 @@ def tier_factory(request: pytest.FixtureRequest, layout: KVLayout) -> Iterator[T
     made: list[Tier] = []
     dirs: list[tempfile.TemporaryDirectory[str]] = []
 
+    url = request.getfixturevalue("redis_cluster").url if request.param == "remote" else None
+
     def make(num_slots: int, policy: str = "lru") -> Tier:
         folder = tempfile.TemporaryDirectory(prefix="kvtier-tier-")
         dirs.append(folder)
-        tier = build_tier(request.param, layout, num_slots, Path(folder.name), policy)
+        tier = build_tier(request.param, layout, num_slots, Path(folder.name), policy, url)
         made.append(tier)
         return tier
 

@@ -1,4 +1,5 @@
-"""Contract tests: every tier (device, host, disk) × every eviction policy."""
+"""Contract tests: every tier (device, host, disk, the shared Redis one) × every eviction
+policy (where the tier has slots of its own)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvtier.kv import Chunk, ChunkRef, KVLayout
 from kvtier.policy import EVICTION_POLICIES
 from kvtier.tiers import TierFullError
 from tests.conftest import make_chunks, run_in_threads
-from tests.tiers.conftest import TierFactory
+from tests.tiers.conftest import TierFactory, needs_slots
 
 
 def test_round_trip_is_bit_exact(tier_factory: TierFactory, layout: KVLayout) -> None:
@@ -54,6 +55,7 @@ def test_pinned_chunks_are_never_evicted(
     tier_factory: TierFactory, layout: KVLayout, policy: str
 ) -> None:
     tier = tier_factory(2, policy)
+    needs_slots(tier)
     chunks = make_chunks(layout, 5)
     tier.put(chunks[:2])
     assert tier.pin([chunks[0].ref]) == [True]
@@ -71,6 +73,7 @@ def test_pinned_chunks_are_never_evicted(
 
 def test_lru_evicts_least_recently_used(tier_factory: TierFactory, layout: KVLayout) -> None:
     tier = tier_factory(2)
+    needs_slots(tier)
     a, b, c = make_chunks(layout, 3)
     tier.put([a, b])
     tier.get_into([a.ref], [layout.empty_chunk()])
@@ -81,6 +84,7 @@ def test_lru_evicts_least_recently_used(tier_factory: TierFactory, layout: KVLay
 
 def test_evict_hook_sees_victim_data(tier_factory: TierFactory, layout: KVLayout) -> None:
     tier = tier_factory(1)
+    needs_slots(tier)
     a, b = make_chunks(layout, 2)
     seen: list[tuple[ChunkRef, torch.Tensor]] = []
     tier.set_evict_hook(lambda victim: seen.append((victim.ref, victim.data.clone())))
@@ -92,6 +96,7 @@ def test_evict_hook_sees_victim_data(tier_factory: TierFactory, layout: KVLayout
 def test_zero_capacity_tier_refuses_puts(tier_factory: TierFactory, layout: KVLayout) -> None:
     try:
         tier = tier_factory(0)
+        needs_slots(tier)
     except ValueError as exc:  # a durable tier refuses to start without room for a chunk
         assert "disk.capacity_bytes (--disk-mb)" in str(exc)
         assert f"at least {layout.chunk_nbytes} bytes" in str(exc)
@@ -139,6 +144,7 @@ def test_random_operations_keep_every_invariant(
 ) -> None:
     """Budgets are never exceeded, pinned chunks stay, hits are bit-exact."""
     tier = tier_factory(num_slots)
+    needs_slots(tier)
     chunks = make_chunks(layout, 8, seed=7)
     pins = [0] * 8
     out = layout.empty_chunk()

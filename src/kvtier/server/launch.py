@@ -25,8 +25,10 @@ from kvtier.config import (
     WRITE_POLICIES,
     DiskConfig,
     HostConfig,
+    LowerTierConfig,
     ManagerConfig,
     MiB,
+    RemoteConfig,
     TieredCacheConfig,
 )
 from kvtier.server.config import KEYS_ENV, ServerConfig, read_api_keys
@@ -122,6 +124,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--disk-dir", default=None, help="keep KV on disk here (survives restarts)")
     parser.add_argument("--disk-mb", type=int, default=32 * 1024, help="disk tier size")
     parser.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL",
+        help="a Redis (Cluster) every instance shares, below host and disk: "
+        "redis://[user:password@]host:port (rediss:// for TLS; any node of a cluster)",
+    )
+    parser.add_argument(
+        "--remote-prefix", default="kvtier", help="the shared tier's key prefix (ACL: ~PREFIX:*)"
+    )
+    parser.add_argument(
+        "--remote-ttl-s", type=float, default=24 * 3600.0, help="shared chunks expire after this"
+    )
+    parser.add_argument(
+        "--remote-timeout-s",
+        type=float,
+        default=0.5,
+        help="each call to the shared tier gives up after this (the KV is then recomputed)",
+    )
+    parser.add_argument(
         "--write-policy",
         choices=WRITE_POLICIES,
         default="write_back",
@@ -173,13 +194,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             chunk_tokens=args.chunk_tokens,
             write_policy=args.write_policy,
             host=HostConfig(capacity_bytes=args.host_mb * MiB),
-            lower_tiers=(
-                (DiskConfig(path=args.disk_dir, capacity_bytes=args.disk_mb * MiB),)
-                if args.disk_dir is not None
-                else ()
-            ),
+            lower_tiers=lower_tiers(args),
         ),
     )
+
+
+def lower_tiers(args: argparse.Namespace) -> tuple[LowerTierConfig, ...]:
+    """The tiers below host the flags ask for: disk, then the shared one."""
+    tiers: list[LowerTierConfig] = []
+    if args.disk_dir is not None:
+        tiers.append(DiskConfig(path=args.disk_dir, capacity_bytes=args.disk_mb * MiB))
+    if args.remote is not None:
+        tiers.append(
+            RemoteConfig(
+                url=args.remote,
+                key_prefix=args.remote_prefix,
+                ttl_s=args.remote_ttl_s or None,
+                timeout_s=args.remote_timeout_s,
+            )
+        )
+    return tuple(tiers)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

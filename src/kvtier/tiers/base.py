@@ -55,6 +55,10 @@ class Tier(ABC):
         eviction_policy: registry name of the eviction policy.
     """
 
+    takes_write_behind = False
+    """True for a tier that takes every chunk host stores, whatever the write policy (the
+    shared tier): the manager hands them to ``write_behind``."""
+
     degrade_on_io_error = False
     """True for tiers whose writes can fail on I/O (the disk): an ``OSError`` from a write
     disables further writes instead of reaching the caller; reads continue."""
@@ -181,6 +185,11 @@ class Tier(ABC):
         """Count chunks not written here because writes are disabled (``writes_skipped``)."""
         with self._lock:
             self._stats.writes_skipped += num_chunks
+
+    def write_behind(self, refs: Iterable[ChunkRef], source: Tier) -> None:
+        """Queue chunks ``source`` holds to be copied here later (``takes_write_behind``
+        tiers only); never blocks."""
+        raise NotImplementedError(f"{self.name}: takes no write-behind")
 
     def sync(self) -> None:
         """Make every chunk stored so far durable; a no-op for tiers that are not.

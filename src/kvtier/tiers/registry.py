@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvtier.config import DiskConfig, HostConfig, TierConfig
+from kvtier.config import DiskConfig, HostConfig, RemoteConfig, TierConfig
 from kvtier.kv.layout import KVLayout
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
@@ -50,9 +50,16 @@ def _build_disk(config: DiskConfig, layout: KVLayout) -> Tier:
     )
 
 
+def _build_remote(config: RemoteConfig, layout: KVLayout) -> Tier:
+    from kvtier.tiers.remote import RemoteTier  # redis-py is imported only when used
+
+    return RemoteTier(layout, config)
+
+
 TIER_KINDS: dict[str, TierKind[Any]] = {
     HostConfig.kind: TierKind(HostConfig, _build_host),
     DiskConfig.kind: TierKind(DiskConfig, _build_disk),
+    RemoteConfig.kind: TierKind(RemoteConfig, _build_remote),
 }
 
 

@@ -43,7 +43,9 @@ class TierStats:
     ``corrupt_dropped`` counts chunks dropped because their stored bytes failed a check
     (or could not be read); ``io_errors`` counts failed I/O calls; ``writes_disabled`` is 1
     while a tier refuses writes after an I/O error (0 otherwise; a sum over tiers counts
-    the disabled ones); ``writes_skipped`` counts chunks not stored because of it.
+    the disabled ones); ``writes_skipped`` counts chunks not stored because of it (or, in
+    the shared tier, because the store was down); ``writes_dropped`` counts chunks a full
+    write-behind queue dropped (the oldest first).
     """
 
     hits: int = 0
@@ -57,7 +59,8 @@ class TierStats:
     corrupt_dropped: int = 0
     io_errors: int = 0
     writes_disabled: int = 0  # 1 while the tier refuses writes after an I/O error
-    writes_skipped: int = 0  # chunks not written because writes were disabled
+    writes_skipped: int = 0  # chunks not written because writes were disabled (or down)
+    writes_dropped: int = 0  # write-behind chunks dropped: its queue was full (oldest first)
     put_seconds: float = 0.0
     get_seconds: float = 0.0
 

@@ -1,0 +1,337 @@
+"""The shared tier: chunks in Redis (a Redis Cluster, or one server) that every kvtier
+instance pointed at it reads and writes.
+
+Keys and values are ``kvtier.tiers.remote_format``'s: keys carry the layout and the chunk
+key (which digests model, layout and tenant salt), values a checksummed header. Unlike the
+slot tiers there is no local index: Redis is the index, so a chunk another instance wrote
+is found here.
+
+- **Reads** (``contains``, ``get_into``) go to the store on the calling thread (a link's
+  worker, or a lookup). ``contains`` reads only a value's header (``GETRANGE``), so it
+  checks the token ids; ``get_into`` checks everything. A value that fails its checks is
+  deleted, counted (``corrupt_dropped``) and read as a miss.
+- **Writes** are write-behind: ``write_behind`` queues refs of chunks host stored (never
+  blocking; a full queue drops its oldest and counts it in ``writes_dropped``); one writer
+  thread reads each from host (pinned while it is encoded) and pipelines the ``SET``\\ s
+  with the TTL. ``put`` (a move down the stack) writes at once.
+- **Faults**: every call has ``timeout_s``. A call that fails (slow, refused, cluster down,
+  no quorum) counts in ``io_errors`` and marks the tier down for ``retry_after_s``: calls
+  in that window return at once (misses; writes dropped and counted), so a request waits at
+  most one timeout before its KV is recomputed. One warning when the tier goes down and one
+  line when a call succeeds again, not one per request. The client reconnects by itself.
+
+Not in Redis: pins (host pins what it serves), eviction order (Redis's TTL and
+``maxmemory`` policy bound the store), ``refs`` and ``used_bytes`` (a shared store is not
+listed; ``len`` scans it).
+
+Thread-safety: every method is thread-safe (redis-py's clients pool their connections;
+the counters and the queue have locks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.config import RemoteConfig
+from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.kv.layout import KVLayout
+from kvtier.tiers import remote_format
+from kvtier.tiers.base import Tier
+from kvtier.tiers.remote_client import Guard, Unavailable, connect, store_errors
+from kvtier.tiers.types import PutResult
+
+log = logging.getLogger(__name__)
+
+_BATCH_CHUNKS = 8  # SETs per pipeline of the writer
+
+
+class RemoteTier(Tier):
+    """A Redis-backed tier (see the module docstring).
+
+    Args:
+        layout: the chunk layout.
+        config: the store's URL, keys, TTL, timeouts and queue.
+        client: a redis-py client to use instead of connecting (tests); None: ``connect``.
+    """
+
+    takes_write_behind = True
+
+    def __init__(self, layout: KVLayout, config: RemoteConfig, client: Any = None) -> None:
+        super().__init__("remote", layout, config.capacity_bytes)
+        self.config = config
+        self.client = client if client is not None else connect(config)
+        self._ttl_ms = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
+        self._guard = Guard(config.url, config.retry_after_s, self._count_error)
+        self._call = self._guard.call
+        self._queue: deque[ChunkRef] = deque()
+        self._queue_cond = threading.Condition()
+        self._source: Tier | None = None
+        self._closing = False
+        self._writer: threading.Thread | None = None
+        self._writing = 0  # refs taken by the writer, not yet written
+
+    def _count_error(self) -> None:
+        with self._lock:
+            self._stats.io_errors += 1
+
+    def key(self, ref: ChunkRef) -> str:
+        """The Redis key of ``ref``'s chunk."""
+        return remote_format.chunk_key(self.config.key_prefix, self.layout, ref)
+
+    @property
+    def available(self) -> bool:
+        """False while the tier is down (a call failed less than ``retry_after_s`` ago)."""
+        return self._guard.available
+
+    # ---- reads -------------------------------------------------------------------------
+
+    def contains(self, ref: ChunkRef) -> bool:
+        """True if the store holds ``ref``'s chunk with these token ids (reads its header;
+        False while the tier is down). Does not count as use."""
+        header_nbytes = remote_format.header_nbytes(ref)
+        try:
+            head = self._call(lambda: self.client.getrange(self.key(ref), 0, header_nbytes - 1))
+        except Unavailable:
+            return False
+        return bool(head) and remote_format.names(self.layout, ref, head)
+
+    def get_into(
+        self, refs: Sequence[ChunkRef], outs: Sequence[torch.Tensor], *, as_use: bool = True
+    ) -> list[bool]:
+        """Copy chunks from the store into caller-owned buffers; a miss, a value of another
+        chunk (a collision) or a corrupt one (deleted) leaves its buffer untouched. While
+        the tier is down every read is a miss. Blocks for the reads."""
+        if len(refs) != len(outs):
+            raise ValueError(f"get_into: {len(refs)} refs but {len(outs)} output buffers")
+        found = []
+        for ref, out in zip(refs, outs, strict=True):
+            start = time.perf_counter()
+            try:
+                value = self._call(functools.partial(self.client.get, self.key(ref)))
+            except Unavailable:
+                value = None
+            status, data = (
+                ("missing", None)
+                if value is None
+                else remote_format.decode(self.layout, ref, value)
+            )
+            if data is not None:
+                out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(data, np.uint8)
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                ok = status == "ok"
+                self._stats.collisions += status == "other"
+                self._stats.corrupt_dropped += status == "corrupt"
+                self._stats.hits += ok and as_use
+                self._stats.misses += (not ok) and as_use
+                if ok and as_use:
+                    self._stats.bytes_out += self.chunk_nbytes
+                    self._stats.get_seconds += elapsed
+            if status == "corrupt":
+                self.remove([ref])
+            found.append(status == "ok")
+        return found
+
+    # ---- writes ------------------------------------------------------------------------
+
+    def put(self, chunks: Sequence[Chunk]) -> PutResult:
+        """Write chunks to the store now (a move down the stack), pipelined; chunks it
+        holds are left as they are. While the tier is down they are skipped and counted
+        (``writes_skipped``). The caller keeps ``chunk.data``."""
+        result = PutResult()
+        todo = []
+        for chunk in chunks:
+            if self.contains(chunk.ref):
+                result.already_present.append(chunk.key)
+                with self._lock:
+                    self._stats.duplicate_puts += 1
+            else:
+                todo.append(chunk)
+        if todo and self._write([(c.ref, _bytes_of(c.data)) for c in todo]):
+            result.stored.extend(c.key for c in todo)
+        return result
+
+    def write_behind(self, refs: Iterable[ChunkRef], source: Tier) -> None:
+        """Queue chunks that ``source`` (host) holds, to be read from it and written by the
+        writer thread. Never blocks: past ``write_behind_chunks`` the oldest waiting ref
+        is dropped and counted (``writes_dropped``)."""
+        dropped = 0
+        with self._queue_cond:
+            if self._closing:
+                return
+            self._source = source
+            for ref in refs:
+                self._queue.append(ref)
+                if len(self._queue) > self.config.write_behind_chunks:
+                    self._queue.popleft()
+                    dropped += 1
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="kvtier-remote-writer", daemon=True
+                )
+                self._writer.start()
+            self._queue_cond.notify_all()
+        if dropped:
+            with self._lock:
+                self._stats.writes_dropped += dropped
+
+    def sync(self) -> None:
+        """Wait until the write-behind queue has drained (at most one timeout per waiting
+        chunk)."""
+        with self._queue_cond:
+            waiting = len(self._queue) + self._writing
+            limit = self.config.timeout_s * (waiting + 1)
+            self._queue_cond.wait_for(lambda: not self._queue and not self._writing, limit)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._queue_cond:
+                self._queue_cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(_BATCH_CHUNKS, len(self._queue)))]
+                self._writing = len(batch)
+                source = self._source
+            try:
+                if source is not None:
+                    self._write_from(source, batch)
+            except Exception:  # a bug here must not stop the writes that follow
+                log.exception("remote tier: writing %d chunks failed", len(batch))
+            finally:
+                with self._queue_cond:
+                    self._writing = 0
+                    self._queue_cond.notify_all()
+
+    def _write_from(self, source: Tier, refs: list[ChunkRef]) -> None:
+        """Read ``refs`` from ``source`` (pinned while encoded) and write them."""
+        pinned = source.pin(refs)
+        try:
+            values = []
+            view = getattr(source, "view", None)
+            for ref, ok in zip(refs, pinned, strict=True):
+                data = view(ref) if ok and view is not None else None
+                if data is not None:
+                    values.append((ref, _bytes_of(data)))
+        finally:
+            source.unpin([r for r, ok in zip(refs, pinned, strict=True) if ok])
+        gone = len(refs) - len(values)
+        if gone:
+            with self._lock:
+                self._stats.writes_dropped += gone  # left host before it was written
+        self._write(values)
+
+    def _write(self, values: list[tuple[ChunkRef, memoryview]]) -> bool:
+        """``SET`` each value with the TTL, in one pipeline; False (counted as skipped)
+        when the store did not take them."""
+        start = time.perf_counter()
+
+        def send() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for ref, data in values:
+                pipe.set(
+                    self.key(ref), remote_format.encode(self.layout, ref, data), px=self._ttl_ms
+                )
+            pipe.execute()
+
+        try:
+            self._call(send)
+        except Unavailable:
+            with self._lock:
+                self._stats.writes_skipped += len(values)
+            return False
+        with self._lock:
+            self._stats.puts += len(values)
+            self._stats.bytes_in += len(values) * self.chunk_nbytes
+            self._stats.put_seconds += time.perf_counter() - start
+        return True
+
+    # ---- the rest of the interface -------------------------------------------------------
+
+    def pin(self, refs: Iterable[ChunkRef]) -> list[bool]:
+        """Nothing is pinned in a shared store: whether each chunk is held."""
+        return [self.contains(r) for r in refs]
+
+    def unpin(self, refs: Iterable[ChunkRef]) -> None:
+        return None
+
+    def remove(self, refs: Iterable[ChunkRef]) -> int:
+        """Delete chunks from the store; returns how many it held."""
+        keys = [self.key(r) for r in refs]
+        if not keys:
+            return 0
+        try:
+            return int(sum(self._call(functools.partial(self.client.delete, k)) for k in keys))
+        except Unavailable:
+            return 0
+
+    def clear(self) -> None:
+        """Delete every chunk of this layout under the prefix (every instance's)."""
+        pattern = remote_format.layout_pattern(self.config.key_prefix, self.layout)
+        try:
+            for key in self._call(lambda: list(self.client.scan_iter(match=pattern, count=500))):
+                self._call(functools.partial(self.client.delete, key))
+        except Unavailable:
+            return
+
+    @property
+    def used_bytes(self) -> int:
+        """Not known for a shared store (its ``INFO memory`` says): 0."""
+        return 0
+
+    def __len__(self) -> int:
+        """Chunks of this layout under the prefix, every instance's (a ``SCAN`` of the
+        store: slow on a large one; 0 while it is down)."""
+        pattern = remote_format.layout_pattern(self.config.key_prefix, self.layout)
+        try:
+            return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=pattern)))
+        except Unavailable:
+            return 0
+
+    def refs(self) -> list[ChunkRef]:
+        return []
+
+    def close(self) -> None:
+        """Drain the write-behind queue (bounded by the timeouts), stop the writer, close
+        the client."""
+        self.sync()
+        with self._queue_cond:
+            self._closing = True
+            self._queue.clear()
+            self._queue_cond.notify_all()
+            writer = self._writer
+        if writer is not None:
+            writer.join(timeout=self.config.timeout_s * (_BATCH_CHUNKS + 1))
+        with contextlib.suppress(*store_errors()):
+            self.client.close()
+
+    # ---- Tier's slot storage: unused (Redis is the index) -------------------------------
+
+    def _alloc_slot(self) -> int | None:
+        raise NotImplementedError("the remote tier has no slots")
+
+    def _free_slot(self, slot: int) -> None:
+        raise NotImplementedError("the remote tier has no slots")
+
+    def _write_slot(self, slot: int, chunk: Chunk) -> None:
+        raise NotImplementedError("the remote tier has no slots")
+
+    def _read_slot(self, slot: int, ref: ChunkRef, out: torch.Tensor) -> bool:
+        raise NotImplementedError("the remote tier has no slots")
+
+    def _victim_data(self, slot: int) -> torch.Tensor | None:
+        raise NotImplementedError("the remote tier has no slots")
+
+
+def _bytes_of(data: torch.Tensor) -> memoryview:
+    """A chunk tensor's bytes, without a copy where it is contiguous."""
+    return data.detach().contiguous().view(torch.uint8).reshape(-1).numpy().data

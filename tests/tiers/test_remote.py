@@ -1,0 +1,169 @@
+"""The shared tier against a real Redis: corrupt and truncated values, a store that is
+down or slow (bounded waits, one log line, recovery), write-behind, plain Redis, ACL.
+
+The contract tests (``test_contract.py``) run over it on the session's Redis Cluster too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+import redis
+import torch
+
+from kvbench.redis_cluster import RedisCluster, available, free_ports
+from kvtier.config import RemoteConfig
+from kvtier.kv import KVLayout
+from kvtier.tiers import host_tier
+from kvtier.tiers.remote import RemoteTier
+from tests.conftest import make_chunks
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"no Redis: {available()}")
+
+
+def _prefix() -> str:
+    return f"test{uuid.uuid4().hex[:12]}"
+
+
+def _tier(layout: KVLayout, url: str, cluster: bool = True, **changes: object) -> RemoteTier:
+    config = RemoteConfig(url=url, key_prefix=_prefix(), cluster=cluster, **changes)  # type: ignore[arg-type]
+    return RemoteTier(layout, config)
+
+
+def test_corrupt_and_truncated_values_are_dropped_and_never_served(
+    redis_cluster: RedisCluster, layout: KVLayout
+) -> None:
+    tier = _tier(layout, redis_cluster.url)
+    a, b, c = make_chunks(layout, 3)
+    tier.put([a, b, c])
+    raw = tier.client.get(tier.key(a))
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 0x40
+    tier.client.set(tier.key(a), bytes(flipped))  # a bit flipped in the data
+    tier.client.set(tier.key(b), raw[: len(raw) - 100])  # truncated
+    outs = [torch.full(layout.chunk_shape, 5.0) for _ in range(3)]
+    assert tier.get_into([a.ref, b.ref, c.ref], outs) == [False, False, True]
+    assert torch.all(outs[0] == 5.0) and torch.all(outs[1] == 5.0)
+    assert torch.equal(outs[2], c.data)
+    assert tier.stats().corrupt_dropped == 2
+    assert tier.client.exists(tier.key(a), tier.key(b)) == 0  # deleted
+    tier.close()
+
+
+def test_a_store_that_is_down_costs_one_timeout_then_nothing_and_recovers(
+    layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_ports(1)[0]
+    config = RemoteConfig(
+        url=f"redis://127.0.0.1:{port}", key_prefix=_prefix(), cluster=False,
+        timeout_s=0.3, retry_after_s=0.5,
+    )  # fmt: skip
+    tier = RemoteTier(layout, config)
+    (chunk,) = make_chunks(layout, 1)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.remote"):
+        start = time.perf_counter()
+        assert not tier.contains(chunk.ref)  # refused: one failed call
+        for _ in range(50):  # inside the back-off: no call at all
+            assert not tier.contains(chunk.ref)
+            assert tier.get_into([chunk.ref], [layout.empty_chunk()]) == [False]
+        assert time.perf_counter() - start < config.timeout_s + 0.2
+        assert tier.put([chunk]).stored == []
+        assert not tier.available
+        down = [r for r in caplog.records if "recomputed until it answers" in r.message]
+        assert len(down) == 1  # one line for the outage, not one per call
+        server = RedisCluster.start_single(port=port)
+        try:
+            time.sleep(config.retry_after_s)
+            assert tier.put([chunk]).stored == [chunk.key]
+            assert tier.contains(chunk.ref) and tier.available
+            assert any("answering again" in r.message for r in caplog.records)
+        finally:
+            tier.close()
+            server.stop()
+    stats = tier.stats()
+    assert stats.io_errors >= 1 and stats.writes_skipped == 1
+
+
+def test_a_slow_store_gives_up_after_the_timeout(layout: KVLayout) -> None:
+    server = RedisCluster.start_single()
+    try:
+        tier = _tier(layout, server.url, cluster=False, timeout_s=0.3, retry_after_s=0.2)
+        (chunk,) = make_chunks(layout, 1)
+        tier.put([chunk])
+        slow = redis.Redis.from_url(server.url)
+        slow.execute_command("CLIENT", "PAUSE", "1500", "ALL")  # the store stops answering
+        start = time.perf_counter()
+        assert tier.get_into([chunk.ref], [layout.empty_chunk()]) == [False]
+        assert time.perf_counter() - start < 0.3 + 0.2
+        time.sleep(1.6)  # the pause ends; the back-off has passed
+        out = layout.empty_chunk()
+        assert tier.get_into([chunk.ref], [out]) == [True] and torch.equal(out, chunk.data)
+        tier.close()
+        slow.close()
+    finally:
+        server.stop()
+
+
+def test_write_behind_reads_from_host_and_drops_the_oldest_when_full(
+    redis_cluster: RedisCluster, layout: KVLayout
+) -> None:
+    host = host_tier(layout, 16 * layout.chunk_nbytes, pin_memory=False)
+    chunks = make_chunks(layout, 6)
+    host.put(chunks)
+    tier = _tier(layout, redis_cluster.url, write_behind_chunks=64)
+    tier.write_behind([c.ref for c in chunks], host)
+    tier.sync()
+    assert all(tier.contains(c.ref) for c in chunks)
+    out = layout.empty_chunk()
+    assert tier.get_into([chunks[4].ref], [out]) == [True] and torch.equal(out, chunks[4].data)
+    tier.close()
+    # A queue of 2 behind a store that does not answer: the oldest waiting refs go.
+    port = free_ports(1)[0]
+    dead = _tier(layout, f"redis://127.0.0.1:{port}", cluster=False, write_behind_chunks=2)
+    dead.write_behind([c.ref for c in chunks], host)
+    dead.sync()
+    stats = dead.stats()
+    assert stats.writes_dropped >= 6 - 2 - 1  # the writer may have taken one batch first
+    assert stats.writes_dropped + stats.writes_skipped == 6
+    dead.close()
+    host.close()
+
+
+def test_plain_redis_with_one_url_and_auth(layout: KVLayout) -> None:
+    server = RedisCluster.start_single(password="s3cret")
+    try:
+        chunks = make_chunks(layout, 2)
+        tier = RemoteTier(layout, RemoteConfig(url=server.url, key_prefix=_prefix()))  # asks
+        tier.put(chunks)
+        out = layout.empty_chunk()
+        assert tier.get_into([chunks[1].ref], [out]) == [True] and torch.equal(out, chunks[1].data)
+        tier.close()
+        with pytest.raises(ValueError, match="cannot reach"):  # no password: refused
+            RemoteTier(layout, RemoteConfig(url=f"redis://127.0.0.1:{server.ports[0]}"))
+    finally:
+        server.stop()
+
+
+def test_an_acl_user_sees_only_its_key_prefix(
+    redis_cluster: RedisCluster, layout: KVLayout
+) -> None:
+    prefix = _prefix()
+    for port in redis_cluster.ports:
+        redis_cluster.cli(
+            port, "ACL", "SETUSER", prefix, "on", ">pw", f"~{prefix}:*", "&*", "+@all"
+        )
+    host, port = "127.0.0.1", redis_cluster.ports[0]
+    admin = redis.cluster.RedisCluster(host=host, port=port)
+    admin.set("someone-else:key", b"secret")
+    url = f"redis://{prefix}:pw@{host}:{port}"
+    tier = RemoteTier(layout, RemoteConfig(url=url, key_prefix=prefix, cluster=True))
+    chunks = make_chunks(layout, 2)
+    tier.put(chunks)
+    assert all(tier.contains(c.ref) for c in chunks) and len(tier) == 2
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        tier.client.get("someone-else:key")
+    tier.close()
+    admin.close()
