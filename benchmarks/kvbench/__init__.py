@@ -19,4 +19,5 @@ BENCHMARKS = (
     "flood",
     "plan",
     "overlap",
+    "shared",
 )

@@ -113,9 +113,9 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        """A URL of the first master (any node leads a cluster client to all of them)."""
+        """A URL naming every node (any one that answers leads a cluster client to all)."""
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.ports[0]}"
+        return f"redis://{auth}" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def cli(self, port: int, *args: str) -> str:
         """One ``redis-cli`` command against node ``port``; its output (stripped)."""

@@ -127,7 +127,8 @@ class RemoteConfig(LowerTierConfig):
 
     Attributes:
         url: ``redis://[user:password@]host:port`` (``rediss://`` for TLS); for a cluster,
-            any node. AUTH comes from the URL.
+            one or more nodes, ``host:port,host:port``: any one that answers leads the
+            client to the rest. AUTH comes from the URL.
         cluster: True: Redis Cluster (``RedisCluster``); False: one server; None: ask the
             server (``CLUSTER INFO``) at start.
         key_prefix: every key starts with ``{key_prefix}:`` (an ACL user can be limited to

@@ -141,8 +141,10 @@ def test_plain_redis_with_one_url_and_auth(layout: KVLayout) -> None:
         out = layout.empty_chunk()
         assert tier.get_into([chunks[1].ref], [out]) == [True] and torch.equal(out, chunks[1].data)
         tier.close()
-        with pytest.raises(ValueError, match="cannot reach"):  # no password: refused
-            RemoteTier(layout, RemoteConfig(url=f"redis://127.0.0.1:{server.ports[0]}"))
+        refused = RemoteTier(layout, RemoteConfig(url=f"redis://127.0.0.1:{server.ports[0]}"))
+        assert not refused.available  # no password: refused, so the tier is down
+        assert refused.stats().io_errors == 1 and not refused.contains(chunks[0].ref)
+        refused.close()
     finally:
         server.stop()
 
@@ -167,3 +169,28 @@ def test_an_acl_user_sees_only_its_key_prefix(
         tier.client.get("someone-else:key")
     tier.close()
     admin.close()
+
+
+def test_calibrate_measures_the_shared_tier_and_leaves_nothing(
+    redis_cluster: RedisCluster, layout: KVLayout
+) -> None:
+    from kvtier.calibrate import measure_remote
+
+    rates = measure_remote(redis_cluster.url, layout, 8 * layout.chunk_nbytes, 1)
+    assert rates["write_gbps"] > 0 and rates["read_gbps"] > 0
+    assert rates["url"] == redis_cluster.url  # no credentials in it
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+    assert not list(client.scan_iter(match="kvtier-calibrate-*"))
+    client.close()
+
+
+def test_a_url_may_name_several_nodes_and_logs_show_no_credentials() -> None:
+    from kvtier.tiers.remote_client import node_urls, safe_url
+
+    url = "rediss://kv:s3cret@10.0.0.1:7000,10.0.0.2:7001/0"
+    assert node_urls(url) == [
+        "rediss://kv:s3cret@10.0.0.1:7000/0",
+        "rediss://kv:s3cret@10.0.0.2:7001/0",
+    ]
+    assert safe_url(url) == "rediss://10.0.0.1:7000,10.0.0.2:7001"
+    assert node_urls("redis://h:1") == ["redis://h:1"]

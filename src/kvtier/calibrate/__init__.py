@@ -18,7 +18,8 @@ it, on the machine that runs it:
   batch 1, all KV resident), each with a least-squares fit: prefill ``s = a·n + b·n²``
   (matmuls grow with the tokens, attention with their square), decode ``ms = c + d·n``;
   and ``decode_batch``: the decode step with ``B`` sequences together, ``ms = e + f·B``.
-- ``shared_tier``: null until a shared tier is configured (the Redis tier is not built).
+- ``remote`` (with ``--remote URL``): the shared tier's write and read GB/s through
+  ``kvtier.tiers.remote.RemoteTier`` (chunk-sized values, under a scratch prefix).
 
 ``calibrate`` returns the profile (a JSON-ready dict) and ``save_profile`` writes it to
 ``<kvtier cache>/profiles/<machine>-<model>.json``; ``load_profile`` finds the one that
@@ -35,6 +36,7 @@ from kvtier.calibrate.measure import (
     measure_compute,
     measure_disk,
     measure_link,
+    measure_remote,
 )
 from kvtier.calibrate.profile import (
     PROFILE_VERSION,
@@ -61,6 +63,7 @@ __all__ = [
     "measure_compute",
     "measure_disk",
     "measure_link",
+    "measure_remote",
     "placement_rates",
     "profile_path",
     "report",

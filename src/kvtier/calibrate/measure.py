@@ -314,3 +314,47 @@ def fit(
     if not coef.any():  # degenerate (one point): the first term alone
         coef[0] = float(y.mean() / (basis[:, 0].mean() or 1.0))
     return {names[0]: float(coef[0]), names[1]: float(coef[1])}
+
+
+def measure_remote(url: str, layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
+    """Write and read GB/s of the shared tier at ``url`` through ``RemoteTier`` itself
+    (chunk-sized values, checksummed, pipelined writes), under a scratch key prefix that
+    is deleted afterwards.
+
+    Raises:
+        ValueError: the store cannot be reached.
+    """
+    from kvtier.config import RemoteConfig
+    from kvtier.kv.chunk import Chunk, ChunkRef
+    from kvtier.tiers.remote import RemoteTier
+    from kvtier.tiers.remote_client import safe_url
+
+    config = RemoteConfig(url=url, key_prefix=f"kvtier-calibrate-{os.getpid()}", ttl_s=600.0)
+    tier = RemoteTier(layout, config)
+    count = max(1, nbytes // layout.chunk_nbytes)
+    chunks = [
+        Chunk(
+            ChunkRef(i.to_bytes(16, "little"), ()), torch.rand(layout.chunk_shape).to(layout.dtype)
+        )
+        for i in range(count)
+    ]
+    outs = [layout.empty_chunk() for _ in chunks]
+    try:
+        if not tier.available or tier.put(chunks[:1]).stored == []:
+            raise ValueError(f"remote: {url} did not take a write")
+        tier.remove([c.ref for c in chunks])
+
+        def write() -> None:
+            tier.remove([c.ref for c in chunks])
+            tier.put(chunks)
+
+        write_gbps = count * layout.chunk_nbytes / _best_s(write, repeats) / 1e9
+        read_gbps = (
+            count * layout.chunk_nbytes
+            / _best_s(lambda: tier.get_into([c.ref for c in chunks], outs), repeats)
+            / 1e9
+        )  # fmt: skip
+        return {"url": safe_url(url), "write_gbps": write_gbps, "read_gbps": read_gbps}
+    finally:
+        tier.clear()
+        tier.close()

@@ -23,6 +23,7 @@ from kvtier.calibrate.measure import (
     measure_compute,
     measure_disk,
     measure_link,
+    measure_remote,
 )
 from kvtier.calibrate.profile import PROFILE_VERSION, machine_identity, save_profile
 from kvtier.kv import KVLayout
@@ -47,6 +48,8 @@ class Settings:
         decode_tokens: tokens decoded after each prompt.
         decode_batches: sequences decoding together in the batch measurement.
         repeats: timed repetitions of each rate (the best is kept).
+        remote_url: the shared tier to measure (None: none configured).
+        remote_bytes: bytes written and read there.
     """
 
     link_bytes: int = 256 * MiB
@@ -58,6 +61,8 @@ class Settings:
     decode_tokens: int = 16
     decode_batches: tuple[int, ...] = (1, 2, 4)
     repeats: int = 3
+    remote_url: str | None = None
+    remote_bytes: int = 64 * MiB
 
     @classmethod
     def quick(cls, **overrides: Any) -> Settings:
@@ -119,6 +124,15 @@ def calibrate(
             ),
         ),
     ]
+    if settings.remote_url is not None:
+        url = settings.remote_url
+        stages.insert(
+            3,
+            (
+                "remote",
+                lambda: measure_remote(url, layout, settings.remote_bytes, settings.repeats),
+            ),
+        )
     results: dict[str, Any] = {}
     bar = tqdm(stages, desc="calibrate", unit="stage", disable=not progress)
     for name, run in bar:
@@ -145,10 +159,10 @@ def calibrate(
             "runner": engine.runner.name,
         },
         "settings": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in settings.__dict__.items()
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in {**settings.__dict__, "remote_url": _url(settings.remote_url)}.items()
         },
         **results,
-        "shared_tier": None,
     }
 
 
@@ -204,9 +218,25 @@ def report(profile: dict[str, Any]) -> str:
         "decode batch: "
         + _pairs(batch["batch"], batch["step_ms"], "{:.0f} rows {:.1f} ms")
         + f"  (fit: {batch['fit']['ms']:.1f} ms + {batch['fit']['ms_per_row']:.2f} ms/row)",
-        "shared tier: not configured",
+        _remote_line(profile.get("remote")),
     ]
     return "\n".join(lines)
+
+
+def _url(url: str | None) -> str | None:
+    """A URL without its password (profiles are shared)."""
+    from kvtier.tiers.remote_client import safe_url
+
+    return None if url is None else safe_url(url)
+
+
+def _remote_line(remote: dict[str, Any] | None) -> str:
+    if remote is None:
+        return "shared tier: not configured (--remote URL measures one)"
+    return (
+        f"shared tier ({remote['url']}): write {remote['write_gbps']:.2f} GB/s, "
+        f"read {remote['read_gbps']:.2f} GB/s"
+    )
 
 
 def _pairs(xs: list[float], ys: list[float], fmt: str) -> str:
@@ -225,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="profile path (default: the kvtier cache)")
     parser.add_argument("--disk-dir", default=None, help="folder for the disk scratch file")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for compute")
+    parser.add_argument("--remote", default=None, help="a shared tier (redis://…) to measure too")
     args = parser.parse_args(argv)
 
     if args.threads is not None:
@@ -232,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.quick() if args.quick else Settings()
     if args.disk_dir is not None:
         settings = dataclasses.replace(settings, disk_dir=Path(args.disk_dir))
+    if args.remote is not None:
+        settings = dataclasses.replace(settings, remote_url=args.remote)
     print_machine(machine_info())
     loaded = load_model(args.model)
     profile = calibrate_model(loaded.model, loaded.tokenizer, loaded.model_id, settings)

@@ -69,7 +69,8 @@ class RemoteTier(Tier):
     def __init__(self, layout: KVLayout, config: RemoteConfig, client: Any = None) -> None:
         super().__init__("remote", layout, config.capacity_bytes)
         self.config = config
-        self.client = client if client is not None else connect(config)
+        self._client = client
+        self._client_lock = threading.Lock()
         self._ttl_ms = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
         self._guard = Guard(config.url, config.retry_after_s, self._count_error)
         self._call = self._guard.call
@@ -79,6 +80,18 @@ class RemoteTier(Tier):
         self._closing = False
         self._writer: threading.Thread | None = None
         self._writing = 0  # refs taken by the writer, not yet written
+        with contextlib.suppress(Unavailable):  # connect now: one clear line if it cannot
+            self._call(lambda: self.client.ping())
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client, connected on first use (a store down at start is a store
+        down: calls fail, the tier backs off, and a later call connects)."""
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = connect(self.config)
+        return self._client
 
     def _count_error(self) -> None:
         with self._lock:
@@ -311,8 +324,9 @@ class RemoteTier(Tier):
             writer = self._writer
         if writer is not None:
             writer.join(timeout=self.config.timeout_s * (_BATCH_CHUNKS + 1))
-        with contextlib.suppress(*store_errors()):
-            self.client.close()
+        if self._client is not None:
+            with contextlib.suppress(*store_errors()):
+                self._client.close()
 
     # ---- Tier's slot storage: unused (Redis is the index) -------------------------------
 

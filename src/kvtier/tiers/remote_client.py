@@ -23,8 +23,9 @@ T = TypeVar("T")
 def store_errors() -> tuple[type[BaseException], ...]:
     """What a call to the store raises when it is slow, down or refuses."""
     import redis
+    from redis.exceptions import RedisClusterException
 
-    return (redis.RedisError, OSError)
+    return (redis.RedisError, RedisClusterException, OSError)
 
 
 class Unavailable(RuntimeError):
@@ -35,13 +36,14 @@ def connect(config: RemoteConfig) -> Any:
     """A redis-py client for ``config``: ``RedisCluster`` or ``Redis``, every call bounded
     by ``timeout_s``, one attempt per call (the tier's own back-off retries).
 
+    With ``cluster=None`` the server is asked first (``INFO cluster``).
+
     Raises:
-        ValueError: the URL or TLS options are unusable, or (``cluster=None``) the server
-            could not be asked whether it is a cluster.
+        what ``store_errors`` names: the store cannot be reached or refuses (AUTH, TLS).
     """
     import redis
     from redis.backoff import NoBackoff
-    from redis.cluster import RedisCluster
+    from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
 
     options: dict[str, Any] = {
@@ -50,26 +52,51 @@ def connect(config: RemoteConfig) -> Any:
     }
     if config.tls_ca_certs is not None:
         options["ssl_ca_certs"] = config.tls_ca_certs
+    urls = node_urls(config.url)
     cluster = config.cluster
     if cluster is None:
-        try:
-            probe = redis.Redis.from_url(config.url, **options)
-            try:
-                cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-            finally:
-                probe.close()
-        except redis.RedisError as exc:
-            raise ValueError(f"remote.url: cannot reach {_safe(config.url)}: {exc}") from exc
+        cluster = _is_cluster(urls, options)
     if cluster:
-        return RedisCluster.from_url(config.url, retry=Retry(NoBackoff(), 0), **options)
-    return redis.Redis.from_url(config.url, retry=Retry(NoBackoff(), 0), **options)
+        others = [
+            ClusterNode(u.hostname or "127.0.0.1", u.port or 6379) for u in map(urlparse, urls[1:])
+        ]
+        return RedisCluster.from_url(
+            urls[0], startup_nodes=others, retry=Retry(NoBackoff(), 0), **options
+        )
+    return redis.Redis.from_url(urls[0], retry=Retry(NoBackoff(), 0), **options)
 
 
-def _safe(url: str) -> str:
-    """``url`` without its password (for logs and errors)."""
-    parts = urlparse(url)
-    host = parts.hostname or "?"
-    return f"{parts.scheme}://{host}:{parts.port or 6379}"
+def node_urls(url: str) -> list[str]:
+    """One URL per node of ``redis://[auth@]host:port,host:port,…[/db]`` (a cluster's
+    startup nodes: any one that answers leads the client to the others)."""
+    scheme, _, rest = url.partition("://")
+    auth, at, hosts = rest.rpartition("@")
+    hosts, slash, path = hosts.partition("/")
+    return [f"{scheme}://{auth}{at}{host}{slash}{path}" for host in hosts.split(",") if host]
+
+
+def _is_cluster(urls: list[str], options: dict[str, Any]) -> bool:
+    """Whether the first node that answers says ``cluster_enabled:1``."""
+    import redis
+
+    error: BaseException | None = None
+    for url in urls:
+        probe = redis.Redis.from_url(url, **options)
+        try:
+            return int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+        except redis.RedisError as exc:
+            error = exc
+        finally:
+            probe.close()
+    assert error is not None
+    raise error
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its credentials (for logs, errors and profiles)."""
+    parts = [urlparse(u) for u in node_urls(url)]
+    hosts = ",".join(f"{p.hostname or '?'}:{p.port or 6379}" for p in parts)
+    return f"{parts[0].scheme}://{hosts}" if parts else "?"
 
 
 class Guard:
@@ -85,7 +112,7 @@ class Guard:
     """
 
     def __init__(self, url: str, retry_after_s: float, on_error: Callable[[], None]) -> None:
-        self.url, self.retry_after_s, self.on_error = _safe(url), retry_after_s, on_error
+        self.url, self.retry_after_s, self.on_error = safe_url(url), retry_after_s, on_error
         self._errors = store_errors()
         self._lock = threading.Lock()
         self._down_until = 0.0  # monotonic; calls before it are skipped

@@ -1,0 +1,292 @@
+"""Benchmark ``faults``: does anything get lost or go wrong when the shared tier fails?
+
+Question: with the shared Redis Cluster tier under the engine, when a master dies, the
+whole cluster stops, or values in Redis (or bytes in the disk tier's files) are corrupt,
+does every request still complete with the tokens of a fault-free run, how much latency
+does a request add while the cluster is down, and does the tier recover when it returns?
+
+Scenarios (each on its own key prefix of one real 3-master, 3-replica cluster):
+
+- ``master_killed``: instance A serves the prompts (its chunks go to the cluster); a
+  fresh instance B serves them again, and a master is killed (``kill -9``) after B's
+  first; once the cluster has failed over, a third instance serves them from the
+  promoted replicas;
+- ``cluster_down``: every node is killed while an instance serves; its requests fall back
+  to recompute; the nodes come back (same cluster config) and the tier answers again;
+  *added latency* is a request's TTFT while down less the same-length recompute TTFT
+  while up (the goal: at most the tier's timeout, ``timeout_s``);
+- ``corrupt_values``: A's values in Redis get a flipped byte or are truncated; B must
+  detect them (``corrupt_dropped``), never serve them, and recompute;
+- ``corrupt_disk``: the disk tier's segment files get flipped bytes after a restart.
+
+Summary keys: ``lost_requests`` (requests that did not complete), ``wrong_outputs`` (tokens
+different from the fault-free run's), ``recovered_after_cluster_restart``,
+``worst_added_latency_down_s`` and ``timeout_s``. The tests
+(``tests/faults/test_remote_faults.py``) run the same scenarios on a tiny random model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvbench.common import base_parser, machine_info, print_machine, write_json
+from kvbench.redis_cluster import RedisCluster
+from kvtier.config import DiskConfig, RemoteConfig
+from kvtier.engine import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@dataclasses.dataclass
+class Bench:
+    """What every scenario needs: the model, a config builder and the prompts."""
+
+    model: Any
+    tokenizer: Any
+    base: EngineConfig  # no lower tiers; the scenarios add theirs
+    prompts: list[list[int]]
+    timeout_s: float = 0.5
+    reference: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def config(
+        self, cluster: RedisCluster | None, prefix: str, disk: str | None = None
+    ) -> EngineConfig:
+        tiers: list[Any] = []
+        if disk is not None:
+            tiers.append(DiskConfig(path=disk, fsync=False))
+        if cluster is not None:
+            tiers.append(
+                RemoteConfig(
+                    url=cluster.url,
+                    key_prefix=prefix,
+                    cluster=True,
+                    timeout_s=self.timeout_s,
+                    retry_after_s=1.0,
+                )
+            )
+        manager = dataclasses.replace(self.base.manager, lower_tiers=tuple(tiers))
+        return dataclasses.replace(self.base, manager=manager)
+
+    def serve(self, config: EngineConfig, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        """Each prompt, one at a time, on a new engine; per request its tokens, TTFT and
+        reused tokens (None tokens: it failed)."""
+        with Engine(self.model, self.tokenizer, config) as engine:
+            return [_one(engine, p) for p in prompts]
+
+
+def _one(engine: Engine, prompt: list[int]) -> dict[str, Any]:
+    start = time.perf_counter()
+    try:
+        handle = engine.submit(prompt, GREEDY)
+        first, events = None, []
+        for event in handle:  # the stream is consumed here: the completion is built from it
+            if first is None and event.token_id is not None:
+                first = time.perf_counter() - start
+            events.append(event)
+        out = handle.completion_of(events)
+    except Exception as exc:
+        return {"tokens": None, "error": repr(exc), "ttft_s": None, "reused": 0}
+    done = out.finish_reason in ("length", "stop")
+    return {"tokens": out.token_ids if done else None, "ttft_s": first, "reused": out.reused_tokens}
+
+
+def _score(bench: Bench, runs: list[dict[str, Any]], prompts: list[list[int]]) -> dict[str, int]:
+    index = {tuple(p): i for i, p in enumerate(bench.prompts)}
+    lost = sum(r["tokens"] is None for r in runs)
+    wrong = sum(
+        r["tokens"] is not None and r["tokens"] != bench.reference[index[tuple(p)]]
+        for r, p in zip(runs, prompts, strict=True)
+    )
+    return {"requests": len(runs), "lost": lost, "wrong": wrong}
+
+
+def master_killed(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
+    prefix = _prefix()
+    config = bench.config(cluster, prefix)
+    bench.serve(config, bench.prompts)  # A: the chunks go to the cluster
+    killed = cluster.master_ports()[0]
+    with Engine(bench.model, bench.tokenizer, config) as b:
+        runs = [_one(b, bench.prompts[0])]
+        cluster.kill_node(killed)
+        runs += [_one(b, p) for p in bench.prompts[1:]]
+    cluster.wait_ok(timeout_s=60)  # a replica took over the dead master's slots
+    after = bench.serve(config, bench.prompts)  # C: from the promoted replicas
+    cluster.restart_node(killed)  # it rejoins, as a replica
+    cluster.wait_ok(timeout_s=60)
+    score = _score(bench, runs + after, bench.prompts * 2)
+    return {**score, "reused_after_failover": sum(r["reused"] for r in after)}
+
+
+def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
+    prefix = _prefix()
+    config = bench.config(cluster, prefix)
+    fresh = _fresh_prompts(bench, 2 * len(bench.prompts))
+    up, down_prompts = fresh[: len(bench.prompts)], fresh[len(bench.prompts) :]
+    with Engine(bench.model, bench.tokenizer, config) as engine:
+        runs_up = [_one(engine, p) for p in up]  # recompute with the cluster up
+        ports = list(cluster.procs)
+        for port in ports:
+            cluster.kill_node(port)
+        runs_down = [_one(engine, p) for p in down_prompts]  # recompute, the cluster down
+        for port in ports:
+            cluster.restart_node(port)
+        cluster.wait_ok(timeout_s=60)
+        back = time.perf_counter()
+        remote = engine.manager.tier("remote")
+        tries: list[dict[str, Any]] = []
+        for prompt in bench.prompts * 4:  # until a request's chunks reach the cluster again
+            tries.append(_one(engine, prompt))
+            remote.sync()
+            if remote.stats().puts > 0:
+                break
+            time.sleep(0.5)  # inside the back-off the tier is skipped
+        wrote = remote.stats().puts
+        recovered_s = time.perf_counter() - back
+    last = (bench.prompts * 4)[len(tries) - 1]
+    later = bench.serve(config, [last])  # a new instance reads what was written
+    added = [
+        d["ttft_s"] - u["ttft_s"]
+        for d, u in zip(runs_down, runs_up, strict=True)
+        if d["ttft_s"] is not None and u["ttft_s"] is not None
+    ]
+    lost = sum(r["tokens"] is None for r in runs_up + runs_down + tries + later)
+    wrong = _score(bench, [*tries, *later], [*(bench.prompts * 4)[: len(tries)], last])["wrong"]
+    return {
+        "requests": len(runs_up) + len(runs_down) + len(tries) + 1,
+        "lost": lost,
+        "wrong": wrong,
+        "recovered": bool(wrote > 0 and later[0]["reused"] > 0),
+        "recovered_after_s": recovered_s,
+        "worst_added_latency_s": max(added) if added else None,
+        "ttft_up_s": [r["ttft_s"] for r in runs_up],
+        "ttft_down_s": [r["ttft_s"] for r in runs_down],
+    }
+
+
+def corrupt_values(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
+    prefix = _prefix()
+    config = bench.config(cluster, prefix)
+    bench.serve(config, bench.prompts)
+    from redis.cluster import RedisCluster as Client
+
+    client = Client(host="127.0.0.1", port=cluster.ports[0])
+    damaged = 0
+    for i, key in enumerate(client.scan_iter(match=f"{prefix}:*")):
+        raw = client.get(key)
+        assert isinstance(raw, bytes)
+        value = bytearray(raw)
+        if i % 2:
+            value[len(value) // 2] ^= 0x10  # a flipped bit in the data
+        else:
+            value = value[: len(value) // 3]  # truncated
+        client.set(key, bytes(value))
+        damaged += 1
+    client.close()
+    with Engine(bench.model, bench.tokenizer, config) as engine:
+        runs = [_one(engine, p) for p in bench.prompts]
+        corrupt = engine.stats().manager.tiers["remote"].corrupt_dropped
+    return {**_score(bench, runs, bench.prompts), "damaged": damaged, "detected": corrupt}
+
+
+def corrupt_disk(bench: Bench, folder: Path) -> dict[str, Any]:
+    disk = str(folder / "kv")
+    config = bench.config(None, "", disk=disk)
+    bench.serve(config, bench.prompts)  # closed: the chunks are on disk
+    flipped = 0
+    for segment in sorted(Path(disk).glob("*.kvseg")):
+        data = bytearray(segment.read_bytes())
+        for offset in range(4096 + 17, len(data), 1 << 16):  # past the first header block
+            data[offset] ^= 0x01
+            flipped += 1
+        segment.write_bytes(bytes(data))
+    with Engine(bench.model, bench.tokenizer, config) as engine:
+        runs = [_one(engine, p) for p in bench.prompts]
+        disk_stats = engine.stats().manager.tiers["disk"]
+    return {
+        **_score(bench, runs, bench.prompts),
+        "flipped_bytes": flipped,
+        "detected": disk_stats.corrupt_dropped,
+    }
+
+
+def _prefix() -> str:
+    return f"faults{uuid.uuid4().hex[:10]}"
+
+
+def _fresh_prompts(bench: Bench, count: int) -> list[list[int]]:
+    """Prompts as long as the bench's, cached nowhere."""
+    rng = random.Random(uuid.uuid4().int)
+    length = len(bench.prompts[0])
+    return [[rng.randrange(10, 30000) for _ in range(length)] for _ in range(count)]
+
+
+def run_all(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
+    """Every scenario, then the summary keys."""
+    bench.reference = [r["tokens"] for r in bench.serve(bench.config(None, ""), bench.prompts)]
+    scenarios: dict[str, Callable[[], dict[str, Any]]] = {
+        "master_killed": lambda: master_killed(bench, cluster),
+        "cluster_down": lambda: cluster_down(bench, cluster),
+        "corrupt_values": lambda: corrupt_values(bench, cluster),
+        "corrupt_disk": lambda: corrupt_disk(
+            bench, Path(tempfile.mkdtemp(prefix="kvtier-faults-"))
+        ),
+    }
+    results = {}
+    for name, scenario in scenarios.items():
+        started = time.perf_counter()
+        results[name] = scenario()
+        results[name]["seconds"] = time.perf_counter() - started
+        print(f"{name}: {results[name]}", flush=True)
+    down = results["cluster_down"]
+    return {
+        "scenarios": results,
+        "summary": {
+            "lost_requests": sum(r["lost"] for r in results.values()),
+            "wrong_outputs": sum(r["wrong"] for r in results.values()),
+            "recovered_after_cluster_restart": down["recovered"],
+            "worst_added_latency_down_s": down["worst_added_latency_s"],
+            "timeout_s": bench.timeout_s,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = base_parser("faults", __doc__.splitlines()[0] if __doc__ else "faults")
+    parser.add_argument(
+        "--prompts", type=int, default=None, help="prompts per scenario (4; quick 2)"
+    )
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens (1024; quick 512)")
+    args = parser.parse_args(argv)
+    from kvtier.models import load_model
+
+    count = args.prompts or (2 if args.quick else 4)
+    context = args.context or (512 if args.quick else 1024)
+    info = machine_info({})
+    print_machine(info)
+    loaded = load_model()
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(10, 30000) for _ in range(context)] for _ in range(count)]
+    bench = Bench(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=1), prompts)
+    with RedisCluster.start(masters=3, replicas=1) as cluster:
+        result = run_all(bench, cluster)
+    result["machine"] = info
+    result["config"] = {"prompts": count, "context": context}
+    write_json(args.json, result)
+    s = result["summary"]
+    print(
+        f"summary: lost {s['lost_requests']}, wrong {s['wrong_outputs']}, recovered after "
+        f"cluster restart {s['recovered_after_cluster_restart']}, worst added latency while "
+        f"down {s['worst_added_latency_down_s']:.3f} s (timeout {s['timeout_s']} s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""The shared tier's faults on a real Redis Cluster of their own (a master killed, the
+whole cluster down and back, corrupt and truncated values) and corrupt disk files: no
+request is lost, every output equals the fault-free run's, the tier recovers. The
+scenarios are ``kvtier bench faults``'s, here on the tiny random model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbench.faults import Bench, cluster_down, corrupt_disk, corrupt_values, master_killed
+from kvbench.redis_cluster import RedisCluster, available
+from kvtier.engine import EngineConfig
+from tests.engine.tiny import CHUNK, engine_config
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"no Redis: {available()}")
+
+PROMPTS = [list(range(1000 + 97 * i, 1000 + 97 * i + 5 * CHUNK + 3)) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    """A cluster these tests may break (not the session's)."""
+    with RedisCluster.start(masters=3, replicas=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def bench(model: Any, tokenizer: Any) -> Bench:
+    base: EngineConfig = engine_config()
+    made = Bench(model, tokenizer, base, PROMPTS, timeout_s=0.3)
+    made.reference = [r["tokens"] for r in made.serve(made.config(None, ""), PROMPTS)]
+    return made
+
+
+def test_a_master_killed_mid_run_loses_nothing(bench: Bench, cluster: RedisCluster) -> None:
+    result = master_killed(bench, cluster)
+    assert (result["lost"], result["wrong"]) == (0, 0)
+    assert result["reused_after_failover"] > 0  # the promoted replicas serve the chunks
+
+
+def test_the_whole_cluster_down_falls_back_to_recompute_and_recovers(
+    bench: Bench, cluster: RedisCluster
+) -> None:
+    result = cluster_down(bench, cluster)
+    assert (result["lost"], result["wrong"]) == (0, 0)
+    assert result["recovered"]
+    # A request waits at most one timeout on the dead cluster (plus noise), then computes.
+    assert result["worst_added_latency_s"] <= bench.timeout_s + 0.5
+
+
+def test_corrupt_and_truncated_values_are_never_served(bench: Bench, cluster: RedisCluster) -> None:
+    result = corrupt_values(bench, cluster)
+    assert (result["lost"], result["wrong"]) == (0, 0)
+    assert result["damaged"] > 0 and result["detected"] > 0
+
+
+def test_corrupt_disk_files_are_never_served(bench: Bench, tmp_path: Path) -> None:
+    result = corrupt_disk(bench, tmp_path)
+    assert (result["lost"], result["wrong"]) == (0, 0)
+    assert result["flipped_bytes"] > 0 and result["detected"] > 0
