@@ -42,3 +42,18 @@ def test_stack_is_host_then_lower_tiers_in_order() -> None:
     assert config.lower_tiers == (disk,)  # a list is kept as a tuple (hashable, frozen)
     assert config.tiers == (config.host, disk)
     assert config.lower_tier("disk") is disk and config.lower_tier("remote") is None
+
+
+def test_remote_config_rejects_bad_fields() -> None:
+    from kvtier.config import RemoteConfig
+
+    with pytest.raises(ValueError, match=r"remote\.url"):
+        RemoteConfig(url="http://host:6379")
+    with pytest.raises(ValueError, match=r"remote\.key_prefix"):
+        RemoteConfig(url="redis://h:1", key_prefix="a:b")
+    with pytest.raises(ValueError, match=r"remote\.timeout_s"):
+        RemoteConfig(url="redis://h:1", timeout_s=0)
+    with pytest.raises(ValueError, match=r"remote\.ttl_s"):
+        RemoteConfig(url="redis://h:1", ttl_s=0.0)
+    with pytest.raises(ValueError, match=r"remote\.write_behind_chunks"):
+        RemoteConfig(url="redis://h:1", write_behind_chunks=0)

@@ -20,4 +20,5 @@ BENCHMARKS = (
     "plan",
     "overlap",
     "shared",
+    "faults",
 )

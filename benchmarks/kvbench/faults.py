@@ -14,7 +14,11 @@ Scenarios (each on its own key prefix of one real 3-master, 3-replica cluster):
 - ``cluster_down``: every node is killed while an instance serves; its requests fall back
   to recompute; the nodes come back (same cluster config) and the tier answers again;
   *added latency* is a request's TTFT while down less the same-length recompute TTFT
-  while up (the goal: at most the tier's timeout, ``timeout_s``);
+  while up (the goal: at most the tier's timeout, ``timeout_s``; killed nodes refuse at
+  once, so this one is near 0);
+- ``cluster_paused``: every node stops answering (``CLIENT PAUSE``) with its connections
+  open, so each call waits for the timeout; fresh prompts must complete, and the added
+  latency is measured the same way;
 - ``corrupt_values``: A's values in Redis get a flipped byte or are truncated; B must
   detect them (``corrupt_dropped``), never serve them, and recompute;
 - ``corrupt_disk``: the disk tier's segment files get flipped bytes after a restart.
@@ -116,7 +120,7 @@ def master_killed(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         runs = [_one(b, bench.prompts[0])]
         cluster.kill_node(killed)
         runs += [_one(b, p) for p in bench.prompts[1:]]
-    cluster.wait_ok(timeout_s=60)  # a replica took over the dead master's slots
+    cluster.wait_failover(killed)  # a replica took over the dead master's slots
     after = bench.serve(config, bench.prompts)  # C: from the promoted replicas
     cluster.restart_node(killed)  # it rejoins, as a replica
     cluster.wait_ok(timeout_s=60)
@@ -167,6 +171,41 @@ def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         "worst_added_latency_s": max(added) if added else None,
         "ttft_up_s": [r["ttft_s"] for r in runs_up],
         "ttft_down_s": [r["ttft_s"] for r in runs_down],
+    }
+
+
+def cluster_paused(bench: Bench, cluster: RedisCluster, pause_s: float = 12.0) -> dict[str, Any]:
+    """Every node stops answering (``CLIENT PAUSE``) but keeps its connections: each call
+    waits for the tier's timeout. *Added latency*: TTFT while paused less TTFT while up,
+    for prompts of the same length computed in full."""
+    prefix = _prefix()
+    config = bench.config(cluster, prefix)
+    fresh = _fresh_prompts(bench, 2 * len(bench.prompts))
+    up, paused = fresh[: len(bench.prompts)], fresh[len(bench.prompts) :]
+    with Engine(bench.model, bench.tokenizer, config) as engine:
+        runs_up = [_one(engine, p) for p in up]
+        until = time.perf_counter() + pause_s
+        for port in cluster.procs:
+            cluster.cli(port, "CLIENT", "PAUSE", str(int(pause_s * 1000)), "ALL")
+        runs_paused = []
+        for p in paused:
+            if time.perf_counter() > until - 0.5:
+                break  # the pause is about to end: what follows would not be paused
+            runs_paused.append(_one(engine, p))
+    time.sleep(max(0.0, until - time.perf_counter()))
+    added = [
+        d["ttft_s"] - u["ttft_s"]
+        for d, u in zip(runs_paused, runs_up, strict=False)
+        if d["ttft_s"] is not None and u["ttft_s"] is not None
+    ]
+    lost = sum(r["tokens"] is None for r in runs_up + runs_paused)
+    return {
+        "requests": len(runs_up) + len(runs_paused),
+        "lost": lost,
+        "wrong": 0,  # fresh prompts: no fault-free reference; they must only complete
+        "worst_added_latency_s": max(added) if added else None,
+        "ttft_up_s": [r["ttft_s"] for r in runs_up],
+        "ttft_paused_s": [r["ttft_s"] for r in runs_paused],
     }
 
 
@@ -233,6 +272,7 @@ def run_all(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
     scenarios: dict[str, Callable[[], dict[str, Any]]] = {
         "master_killed": lambda: master_killed(bench, cluster),
         "cluster_down": lambda: cluster_down(bench, cluster),
+        "cluster_paused": lambda: cluster_paused(bench, cluster),
         "corrupt_values": lambda: corrupt_values(bench, cluster),
         "corrupt_disk": lambda: corrupt_disk(
             bench, Path(tempfile.mkdtemp(prefix="kvtier-faults-"))
@@ -251,7 +291,14 @@ def run_all(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
             "lost_requests": sum(r["lost"] for r in results.values()),
             "wrong_outputs": sum(r["wrong"] for r in results.values()),
             "recovered_after_cluster_restart": down["recovered"],
-            "worst_added_latency_down_s": down["worst_added_latency_s"],
+            "worst_added_latency_down_s": max(
+                x
+                for x in (
+                    down["worst_added_latency_s"],
+                    results["cluster_paused"]["worst_added_latency_s"],
+                )
+                if x is not None
+            ),
             "timeout_s": bench.timeout_s,
         },
     }

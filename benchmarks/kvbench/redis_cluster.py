@@ -124,13 +124,16 @@ class RedisCluster:
         return done.stdout.decode(errors="replace").strip()
 
     def wait_ok(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until every running node reports ``cluster_state:ok``."""
+        """Until every running node reports ``cluster_state:ok`` and every running replica
+        is in sync with its master (so a master's failure can fail over)."""
         if not self.cluster:
             return
         deadline = time.monotonic() + timeout_s
         while True:
             states = [self.cli(p, "cluster", "info") for p in self.procs]
-            if all("cluster_state:ok" in s for s in states):
+            replication = [self.cli(p, "info", "replication") for p in self.procs]
+            synced = all("role:master" in r or "master_link_status:up" in r for r in replication)
+            if synced and all("cluster_state:ok" in s for s in states):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not ok after {timeout_s:.0f} s: {self._log_tail()}")
@@ -145,6 +148,19 @@ class RedisCluster:
             if len(parts) > 2 and "master" in parts[2] and "fail" not in parts[2]:
                 ports.append(int(parts[1].split("@")[0].rsplit(":", 1)[1]))
         return sorted(ports)
+
+    def wait_failover(self, killed: int, timeout_s: float = 60.0) -> None:
+        """Until a replica has taken over the slots of the killed master ``killed`` (the
+        others mark it failed after the node timeout, then one is elected)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            masters = self.master_ports()
+            if killed not in masters and len(masters) >= self.masters:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no failover of {killed} after {timeout_s:.0f} s")
+            time.sleep(0.2)
+        self.wait_ok(timeout_s)
 
     def kill_node(self, port: int) -> None:
         """``kill -9`` one node."""
@@ -188,6 +204,7 @@ class RedisCluster:
             "--logfile", f"redis-{port}.log",
             "--protected-mode", "no",
             "--enable-debug-command", "local",  # fault tests: DEBUG SLEEP
+            "--repl-diskless-sync-delay", "0",  # replicas in sync at once, not after 5 s
         ]  # fmt: skip
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]

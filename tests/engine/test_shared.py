@@ -3,16 +3,14 @@ shared tier (counted by tier), with identical tokens; tenants' salts hold across
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from typing import Any
 
 import pytest
 
 from kvbench.redis_cluster import RedisCluster, available
-from kvtier.config import RemoteConfig
 from kvtier.engine import Engine, EngineConfig, SamplingParams
-from tests.engine.tiny import CHUNK, engine_config, reference_tokens
+from tests.engine.tiny import CHUNK, engine_config, reference_tokens, with_remote
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no Redis: {available()}")
 
@@ -22,10 +20,7 @@ PROMPT = list(range(500, 500 + 6 * CHUNK + 3))
 
 def shared(cluster: RedisCluster, prefix: str) -> EngineConfig:
     """The tiny engine with the shared tier below host (no disk)."""
-    config = engine_config()
-    remote = RemoteConfig(url=cluster.url, key_prefix=prefix, cluster=True)
-    manager = dataclasses.replace(config.manager, lower_tiers=(remote,))
-    return dataclasses.replace(config, manager=manager)
+    return with_remote(engine_config(), cluster.url, prefix)
 
 
 def test_a_second_instance_reuses_the_first_ones_kv_through_the_cluster(

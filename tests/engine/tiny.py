@@ -77,6 +77,22 @@ def engine_config(
     )
 
 
+def with_remote(config: EngineConfig, url: str, prefix: str | None = None) -> EngineConfig:
+    """``config`` with the shared tier on the Redis at ``url`` below its other tiers, under
+    its own key prefix (default: a new one)."""
+    import dataclasses
+    import uuid
+
+    from kvtier.config import RemoteConfig
+
+    prefix = prefix or f"test{uuid.uuid4().hex[:12]}"
+    remote = RemoteConfig(url=url, key_prefix=prefix, cluster=True)
+    tiers = (*config.manager.lower_tiers, remote)
+    return dataclasses.replace(
+        config, manager=dataclasses.replace(config.manager, lower_tiers=tiers)
+    )
+
+
 def reference_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers ``generate`` with its own ``DynamicCache``."""
     ids = torch.tensor([prompt_ids])

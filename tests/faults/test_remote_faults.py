@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from kvbench.faults import Bench, cluster_down, corrupt_disk, corrupt_values, master_killed
+from kvbench.faults import (
+    Bench,
+    cluster_down,
+    cluster_paused,
+    corrupt_disk,
+    corrupt_values,
+    master_killed,
+)
 from kvbench.redis_cluster import RedisCluster, available
 from kvtier.engine import EngineConfig
 from tests.engine.tiny import CHUNK, engine_config
@@ -62,3 +69,11 @@ def test_corrupt_disk_files_are_never_served(bench: Bench, tmp_path: Path) -> No
     result = corrupt_disk(bench, tmp_path)
     assert (result["lost"], result["wrong"]) == (0, 0)
     assert result["flipped_bytes"] > 0 and result["detected"] > 0
+
+
+def test_a_cluster_that_stops_answering_costs_at_most_the_timeout(
+    bench: Bench, cluster: RedisCluster
+) -> None:
+    result = cluster_paused(bench, cluster, pause_s=4.0)
+    assert result["lost"] == 0 and result["ttft_paused_s"]
+    assert result["worst_added_latency_s"] <= bench.timeout_s + 0.5

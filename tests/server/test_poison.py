@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from kvbench.redis_cluster import available
 from kvtier.engine import Engine
 from kvtier.server import create_app
 from kvtier.server.config import ServerConfig
-from tests.engine.tiny import engine_config
+from tests.engine.tiny import engine_config, with_remote
 from tests.server.live import KEY, ServerThread
 
 NAME = "tiny-llama"
@@ -99,8 +100,12 @@ POISON: list[tuple[str, str, set[int], str | None]] = [
 
 
 @pytest.fixture(scope="module")
-def engine(model: Any, tokenizer: Any) -> Iterator[Engine]:
-    with Engine(model, tokenizer, engine_config(max_batch_size=4)) as engine:
+def engine(model: Any, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    """The engine under attack, with the shared Redis tier where Redis is installed."""
+    config = engine_config(max_batch_size=4)
+    if available() is None:
+        config = with_remote(config, request.getfixturevalue("redis_cluster").url)
+    with Engine(model, tokenizer, config) as engine:
         yield engine
 
 

@@ -1,10 +1,11 @@
 """Schemathesis against the server's own ``/openapi.json``: no 5xx, every answer as documented.
 
 A real uvicorn server over the tiny random-weight engine, with an API key (``/metrics``
-guarded too). For each operation schemathesis sends its coverage phase (boundary and
-type-violating values of every field, deterministic) and hypothesis-generated bodies,
-valid and invalid. A case hook sends the served model name and caps the tokens asked
-for, so each case costs a few decode steps: the file runs in under a minute on two cores.
+guarded too) and the shared Redis tier (where Redis is installed). For each operation
+schemathesis sends its coverage phase (boundary and type-violating values of every field,
+deterministic) and hypothesis-generated bodies, valid and invalid. A case hook sends the
+served model name and caps the tokens asked for, so each case costs a few decode steps:
+the file runs in under a minute on two cores.
 
 A failure names the check and carries the curl command that reproduces it.
 """
@@ -31,10 +32,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from kvbench.redis_cluster import available
 from kvtier.engine import Engine
 from kvtier.server import create_app
 from kvtier.server.config import ServerConfig
-from tests.engine.tiny import engine_config
+from tests.engine.tiny import engine_config, with_remote
 from tests.server.test_server import KEY, NAME, ServerThread
 
 MAX_TOKENS = 4  # the most tokens a generated request may ask for
@@ -71,9 +73,13 @@ def map_case(context: HookContext, case: Case) -> Case:
 
 
 @pytest.fixture(scope="module")
-def api(model: Any, tokenizer: Any) -> Iterator[BaseSchema]:
-    """The server's document, loaded from the running server that its cases call."""
-    with Engine(model, tokenizer, engine_config()) as engine:
+def api(model: Any, tokenizer: Any, request: pytest.FixtureRequest) -> Iterator[BaseSchema]:
+    """The server's document, loaded from the running server that its cases call; with
+    the shared tier on the session's Redis Cluster where Redis is installed."""
+    config = engine_config()
+    if available() is None:
+        config = with_remote(config, request.getfixturevalue("redis_cluster").url)
+    with Engine(model, tokenizer, config) as engine:
         server = ServerThread(create_app(engine, NAME, CONFIG))
         try:
             config = schemathesis.Config.from_dict({"request-timeout": 30, "headers": AUTH})

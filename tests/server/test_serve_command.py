@@ -105,3 +105,18 @@ def test_sigterm_drains_streams_and_a_restarted_engine_reuses_the_kv(tmp_path: P
     prompt_tokens = len(again.prompt_ids)
     assert again.reused_tokens == 16 * ((prompt_tokens - 1) // 16) > 0
     assert by_tier == {"disk": again.reused_tokens}
+
+
+def test_serve_flags_put_the_shared_tier_below_disk() -> None:
+    from kvtier.config import DiskConfig, RemoteConfig
+    from kvtier.server.launch import engine_config as serve_engine_config
+    from kvtier.server.launch import parse_args
+
+    flags = ["--disk-dir", "/tmp/kv", "--remote", "redis://u:p@10.0.0.1:7000,10.0.0.2:7000"]
+    flags += ["--remote-prefix", "team", "--remote-ttl-s", "60", "--remote-timeout-s", "0.2"]
+    tiers = serve_engine_config(parse_args(flags)).manager.lower_tiers
+    assert [type(t) for t in tiers] == [DiskConfig, RemoteConfig]
+    remote = tiers[1]
+    assert isinstance(remote, RemoteConfig)
+    assert (remote.key_prefix, remote.ttl_s, remote.timeout_s) == ("team", 60.0, 0.2)
+    assert remote.url.endswith("10.0.0.2:7000")

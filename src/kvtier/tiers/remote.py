@@ -72,7 +72,7 @@ class RemoteTier(Tier):
         self._client = client
         self._client_lock = threading.Lock()
         self._ttl_ms = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
-        self._guard = Guard(config.url, config.retry_after_s, self._count_error)
+        self._guard = Guard(config.url, config.timeout_s, config.retry_after_s, self._count_error)
         self._call = self._guard.call
         self._queue: deque[ChunkRef] = deque()
         self._queue_cond = threading.Condition()
@@ -324,6 +324,7 @@ class RemoteTier(Tier):
             writer = self._writer
         if writer is not None:
             writer.join(timeout=self.config.timeout_s * (_BATCH_CHUNKS + 1))
+        self._guard.close()
         if self._client is not None:
             with contextlib.suppress(*store_errors()):
                 self._client.close()

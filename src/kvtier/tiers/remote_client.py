@@ -10,6 +10,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -18,6 +20,7 @@ from kvtier.config import RemoteConfig
 log = logging.getLogger("kvtier.tiers.remote")
 
 T = TypeVar("T")
+_WORKERS = 8  # calls in flight at once (the link's worker, the writer, lookups, …)
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
@@ -100,23 +103,65 @@ def safe_url(url: str) -> str:
 
 
 class Guard:
-    """Runs calls to one store: a call that raises (slow, refused, cluster down, no
-    quorum) marks the store down for ``retry_after_s``, and calls in that window raise
-    ``Unavailable`` at once, without touching the network; the next call after it tries
-    again. One warning when the store goes down and one when a call succeeds again.
+    """Runs calls to one store within a deadline: a call that raises (refused, cluster
+    down, no quorum) or has not answered after ``timeout_s`` marks the store down for
+    ``retry_after_s``, and calls in that window raise ``Unavailable`` at once, without
+    touching the network; the next call after it tries again. One warning when the store
+    goes down and one when a call succeeds again.
+
+    Calls run on a small pool of the guard's threads and the caller waits at most
+    ``timeout_s``: a client that retries or rediscovers a cluster on its own (redis-py does
+    after a timeout, node by node) cannot hold a request longer. A call given up on
+    finishes in the background; its result is dropped.
 
     Args:
         url: the store (logged without its password).
+        timeout_s: the most a caller waits for one call.
         retry_after_s: how long a failure keeps the store down.
         on_error: called once per failed call (the tier counts it).
     """
 
-    def __init__(self, url: str, retry_after_s: float, on_error: Callable[[], None]) -> None:
+    def __init__(
+        self, url: str, timeout_s: float, retry_after_s: float, on_error: Callable[[], None]
+    ) -> None:
         self.url, self.retry_after_s, self.on_error = safe_url(url), retry_after_s, on_error
-        self._errors = store_errors()
+        self.timeout_s = timeout_s
+        self._errors: tuple[type[BaseException], ...] = (*store_errors(), TimeoutError)
         self._lock = threading.Lock()
+        self._closed = False
         self._down_until = 0.0  # monotonic; calls before it are skipped
         self._down = False
+        self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="kvtier-remote")
+        self._running = 0  # calls on the pool now (given-up ones included)
+
+    def close(self) -> None:
+        """Stop taking calls (later ones time out at once); calls still running finish
+        in the background."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, fn: Callable[[], T]) -> T:
+        """``fn`` on the pool, waited for at most ``timeout_s``."""
+        with self._lock:
+            if self._closed:
+                raise TimeoutError("the tier is closed")
+            if self._running >= _WORKERS:  # every worker waits on a store that hangs
+                raise TimeoutError("every call to the store is still waiting")
+            self._running += 1
+
+        def tracked() -> T:
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    self._running -= 1
+
+        future = self._pool.submit(tracked)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"no answer within {self.timeout_s:.2f} s") from None
 
     @property
     def available(self) -> bool:
@@ -128,7 +173,7 @@ class Guard:
         if time.monotonic() < self._down_until:
             raise Unavailable("the shared tier is down")
         try:
-            result = fn()
+            result = self._run(fn)
         except self._errors as exc:
             self.on_error()
             with self._lock:
