@@ -172,6 +172,26 @@ def test_full_filesystem_stops_disk_writes_and_serving_goes_on(
     ) > 0
 
 
+def test_a_read_only_disk_folder_is_refused_at_start_with_one_clear_line(
+    model: Any, tokenizer: Any, tmp_path: Path
+) -> None:
+    """The folder's filesystem is mounted read-only after a run left KV in it (EROFS from
+    the kernel; root ignores file modes, not a read-only mount). The engine does not start
+    on it, and says why in one line naming the folder."""
+    with tiny_tmpfs(tmp_path / "ro", size_kib=8192) as disk:
+        config = with_policy(engine_config(disk_dir=str(disk)), "write_through")
+        with Engine(model, tokenizer, config) as engine:
+            run(engine, PROMPTS[:1])
+        remount = subprocess.run(
+            ["mount", "-o", "remount,ro", str(disk)], capture_output=True, check=False
+        )
+        if remount.returncode != 0:
+            pytest.skip(f"cannot remount read-only: {remount.stderr.decode().strip()}")
+        with pytest.raises(ValueError, match="Read-only file system") as caught:
+            Engine(model, tokenizer, config)
+    assert str(disk) in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_device_that_refuses_every_write(
     model: Any, tokenizer: Any, expected: list[list[int]], tmp_path: Path
 ) -> None:
