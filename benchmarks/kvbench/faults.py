@@ -230,7 +230,7 @@ def corrupt_values(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
     client.close()
     with Engine(bench.model, bench.tokenizer, config) as engine:
         runs = [_one(engine, p) for p in bench.prompts]
-        corrupt = engine.stats().manager.tiers["remote"].corrupt_dropped
+        corrupt = engine.manager.tier("remote").stats().corrupt_dropped
     return {**_score(bench, runs, bench.prompts), "damaged": damaged, "detected": corrupt}
 
 
@@ -247,7 +247,7 @@ def corrupt_disk(bench: Bench, folder: Path) -> dict[str, Any]:
         segment.write_bytes(bytes(data))
     with Engine(bench.model, bench.tokenizer, config) as engine:
         runs = [_one(engine, p) for p in bench.prompts]
-        disk_stats = engine.stats().manager.tiers["disk"]
+        disk_stats = engine.manager.tier("disk").stats()
     return {
         **_score(bench, runs, bench.prompts),
         "flipped_bytes": flipped,
