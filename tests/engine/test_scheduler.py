@@ -162,3 +162,10 @@ def test_reused_tokens_by_tier_count_only_the_adopted_chunks() -> None:
     metrics.add_prompt(3 * CHUNK + 1, CHUNK, ["disk", "host", "host"], CHUNK)
     stats = metrics.stats(0, 0, None, None)
     assert (stats.reused_tokens, stats.reused_tokens_by_tier) == (CHUNK, {"disk": CHUNK})
+
+
+def test_reused_pages_count_under_the_tier_they_came_from() -> None:
+    metrics = EngineMetrics()
+    metrics.add_prompt(3 * CHUNK, 2 * CHUNK + 5, ["host", "disk", "remote", "remote"], CHUNK)
+    stats = metrics.stats(0, 0, None, None)
+    assert stats.reused_tokens_by_tier == {"host": CHUNK, "disk": CHUNK, "remote": 5}

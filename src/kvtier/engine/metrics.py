@@ -118,8 +118,7 @@ class EngineMetrics:
         self, prompt_tokens: int, reused_tokens: int, tiers: Sequence[str], chunk_tokens: int
     ) -> None:
         """An admitted prompt: its tokens, those adopted from the tiers, and the tier of
-        each chunk its prefix match found (only the first ``reused_tokens // chunk_tokens``
-        count: a fault may have cut the adopted prefix short)."""
+        each chunk adopted (see ``add_reused``)."""
         with self._lock:
             self._counts["prompt_tokens"] += prompt_tokens
         self.add_reused(reused_tokens, tiers, chunk_tokens)
@@ -127,11 +126,15 @@ class EngineMetrics:
     def add_reused(self, reused_tokens: int, tiers: Sequence[str], chunk_tokens: int) -> None:
         """Prompt tokens adopted from the tiers (at admission, or later: the back of a
         prefix that loaded while its front was computed), with the tier that held each of
-        their chunks (the first ``reused_tokens // chunk_tokens`` of ``tiers``)."""
+        their chunks in order: ``chunk_tokens`` each, the last one the rest (the pages of a
+        partial chunk); tiers past the tokens are ignored."""
         with self._lock:
             self._counts["reused_tokens"] += reused_tokens
-            for name in tiers[: reused_tokens // chunk_tokens]:
-                self._reused_by_tier[name] = self._reused_by_tier.get(name, 0) + chunk_tokens
+            for i, name in enumerate(tiers):
+                tokens = min(chunk_tokens, reused_tokens - i * chunk_tokens)
+                if tokens <= 0:
+                    break
+                self._reused_by_tier[name] = self._reused_by_tier.get(name, 0) + tokens
 
     def add_decision(self, name: str, cost: DecisionCost) -> None:
         """One reuse decision's chunks and seconds (``kvtier.engine.overlap``)."""

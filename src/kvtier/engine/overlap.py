@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.engine.metrics import EngineMetrics
+from kvtier.engine.request import RequestHandle
 from kvtier.engine.work import WorkModel
 from kvtier.kv.chunk import ChunkRef
 from kvtier.manager import KVManager, LookupResult
@@ -53,6 +54,7 @@ class BackLoad:
         admitted_s: ``perf_counter`` at admission.
         load_s_per_chunk: the lower tier's predicted seconds per chunk (None: no rate).
         count: the reuse is the request's first admission (its tokens count as reused).
+        handle: the request, whose ``reused_tokens`` grow by what the back adds.
     """
 
     refs: list[ChunkRef]
@@ -61,6 +63,7 @@ class BackLoad:
     admitted_s: float
     load_s_per_chunk: float | None
     count: bool
+    handle: RequestHandle
 
 
 class ReuseOverlap:
@@ -103,11 +106,18 @@ class ReuseOverlap:
         return per_token * tokens + per_pair * tokens * (start + stop) / 2
 
     def adopt(
-        self, cache: SequenceKV, ids: list[int], salt: str, match: LookupResult, count: bool
+        self,
+        cache: SequenceKV,
+        ids: list[int],
+        handle: RequestHandle,
+        match: LookupResult,
+        count: bool,
     ) -> tuple[int, BackLoad | None]:
-        """Adopt ``match`` into the empty ``cache`` now, or its host run now and its back
-        later; returns the tokens adopted now and the pending back (None: nothing pending).
+        """Adopt ``match`` of ``ids`` (the sequence's tokens so far) into the empty
+        ``cache`` now, or its host run now and its back later, under the request's salt;
+        returns the tokens adopted now and the pending back (None: nothing pending).
         ``count``: the request's first admission (reused tokens are counted)."""
+        salt = handle.request.cache_salt
         prompt = torch.tensor([ids], dtype=torch.long)
         host, size = self.manager.host.name, self.chunk_tokens
         first = next((i for i, t in enumerate(match.tiers) if t != host), len(match.tiers))
@@ -131,7 +141,13 @@ class ReuseOverlap:
         front = LookupResult(start, match.refs[:first], match.tiers[:first])
         reused = cache.reuse_prefix(prompt, salt, match=front, pages=False)
         pending = BackLoad(
-            list(match.refs), list(match.tiers), first, time.perf_counter(), per_chunk, count
+            list(match.refs),
+            list(match.tiers),
+            first,
+            time.perf_counter(),
+            per_chunk,
+            count,
+            handle,
         )
         return reused, pending
 
@@ -168,6 +184,7 @@ class ReuseOverlap:
             self._decide("load", adopted, adopted * per_chunk if per_chunk else None, elapsed)
             if back.count:
                 self.metrics.add_reused(adopted * size, back.tiers[done:], size)
+                back.handle.reused_tokens += adopted * size
 
     def _decide(self, name: str, chunks: int, predicted_s: float | None, measured: float) -> None:
         if chunks:

@@ -236,18 +236,21 @@ class BatchScheduler:
         """Give ``seq`` a cache, adopt its cached prefix through its one prefix match, and
         plan its prefill in pieces; a failure here fails it alone."""
         cache = self.caches.take()
-        salt = seq.handle.request.cache_salt
         first = seq.admissions == 0  # a resume's prompt was counted at its first admission
         try:
             match = self.prefixes.match(seq, cache, self._steps)
-            reused_tokens, seq.back = self.overlap.adopt(cache, seq.ids, salt, match, first)
+            reused_tokens, seq.back = self.overlap.adopt(cache, seq.ids, seq.handle, match, first)
         except Exception as exc:
             self.caches.replace(cache)
             self._fail(seq, exc)
             return
         if first:
             seq.handle.reused_tokens = reused_tokens
-            self.metrics.add_prompt(len(seq.ids), reused_tokens, match.tiers, self.chunk_tokens)
+            size = self.chunk_tokens
+            tiers = match.tiers[: reused_tokens // size]  # a fault may have cut them short
+            if reused_tokens % size and cache.pages_tier is not None:
+                tiers = [*tiers, cache.pages_tier]
+            self.metrics.add_prompt(len(seq.ids), reused_tokens, tiers, size)
         seq.cache = cache
         seq.admitted = next(self._admissions)
         seq.admitted_s = time.perf_counter()
@@ -275,16 +278,11 @@ class BatchScheduler:
         try:
             settled, adopted = self.overlap.meet(cache, seq.ids, back)
         except Exception:
-            log.exception(
-                "adopting the loaded chunks of request %s failed; computing them",
-                seq.handle.request_id,
-            )
+            log.exception("request %s: adopting loaded chunks failed", seq.handle.request_id)
             settled, adopted = True, 0
         if settled:
             seq.back = None
         if adopted:
-            if back.count:
-                seq.handle.reused_tokens += adopted
             self._plan_prefill(seq)
 
     def _pieces(self) -> list[Piece]:

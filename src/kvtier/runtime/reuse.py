@@ -168,7 +168,8 @@ def adopt_pages(kv: SequenceKV, ids: torch.Tensor) -> int:
     if most <= 0 or any(not r.token_ids for r in (state.refs[0] if state.refs else [])):
         return 0  # no whole page to reuse, or a chain of unknown tokens
     for ref, tokens in _candidates(kv, ids, base, most):
-        if kv.manager.locate(ref) is None:
+        where = kv.manager.locate(ref)
+        if where is None:
             continue
         outcome = kv.manager.promote([ref])[0]
         if outcome != "host" or not kv.host.pin([ref])[0]:
@@ -185,6 +186,7 @@ def adopt_pages(kv: SequenceKV, ids: torch.Tensor) -> int:
             assert tails is not None
             tails[0, :, :, :, :tokens].copy_(view[:, :, :, :tokens])  # [L, 2, H, p, D]
             state.adopt_tail(ids[:, : base + tokens], tokens)
+            kv.pages_tier = where.name
         finally:
             kv.host.unpin([ref])
         return tokens

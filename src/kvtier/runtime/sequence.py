@@ -92,6 +92,7 @@ class SequenceKV:
         self.staging: StagingRing | None = None
         self.plan: ForwardPlan | None = None
         self.reused_tokens = 0
+        self.pages_tier: str | None = None  # the tier the last reuse's pages came from
         self.sealed_chunks = 0
         self.peak_device_nbytes = 0
         self._hosted_count = hosted_counter(config, self.layout, self.groups)
@@ -294,7 +295,7 @@ class SequenceKV:
         ids = input_ids.detach().to("cpu", torch.int64)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
-        self.state.salt = salt
+        self.state.salt, self.pages_tier = salt, None
         hit = reuse.adopt_chunks(self, ids, salt, match)
         if ids.shape[0] == 1 and pages:
             hit += reuse.adopt_pages(self, ids)
