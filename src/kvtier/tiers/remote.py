@@ -47,6 +47,7 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.layout import KVLayout
 from kvtier.tiers import remote_format
 from kvtier.tiers.base import Tier
+from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.remote_client import Guard, Unavailable, connect, store_errors
 from kvtier.tiers.types import PutResult
 
@@ -76,7 +77,7 @@ class RemoteTier(Tier):
         self._call = self._guard.call
         self._queue: deque[ChunkRef] = deque()
         self._queue_cond = threading.Condition()
-        self._source: Tier | None = None
+        self._source: PoolTier | None = None
         self._closing = False
         self._writer: threading.Thread | None = None
         self._writing = 0  # refs taken by the writer, not yet written
@@ -170,7 +171,10 @@ class RemoteTier(Tier):
                     self._stats.duplicate_puts += 1
             else:
                 todo.append(chunk)
-        if todo and self._write([(c.ref, _bytes_of(c.data)) for c in todo]):
+        encoded = [
+            (c.ref, remote_format.encode(self.layout, c.ref, _bytes_of(c.data))) for c in todo
+        ]
+        if todo and self._write(encoded):
             result.stored.extend(c.key for c in todo)
         return result
 
@@ -178,6 +182,8 @@ class RemoteTier(Tier):
         """Queue chunks that ``source`` (host) holds, to be read from it and written by the
         writer thread. Never blocks: past ``write_behind_chunks`` the oldest waiting ref
         is dropped and counted (``writes_dropped``)."""
+        if not isinstance(source, PoolTier):
+            raise ValueError(f"write_behind: the source must be a memory pool, not {source.name}")
         dropped = 0
         with self._queue_cond:
             if self._closing:
@@ -225,35 +231,34 @@ class RemoteTier(Tier):
                     self._writing = 0
                     self._queue_cond.notify_all()
 
-    def _write_from(self, source: Tier, refs: list[ChunkRef]) -> None:
-        """Read ``refs`` from ``source`` (pinned while encoded) and write them."""
+    def _write_from(self, source: PoolTier, refs: list[ChunkRef]) -> None:
+        """Encode ``refs`` from ``source``'s slots while they are pinned (the value is a
+        copy: a slot reused after the unpin cannot change what is sent), then write them."""
         pinned = source.pin(refs)
         try:
             values = []
-            view = getattr(source, "view", None)
             for ref, ok in zip(refs, pinned, strict=True):
-                data = view(ref) if ok and view is not None else None
+                data = source.view(ref) if ok else None
                 if data is not None:
-                    values.append((ref, _bytes_of(data)))
+                    values.append((ref, remote_format.encode(self.layout, ref, _bytes_of(data))))
         finally:
             source.unpin([r for r, ok in zip(refs, pinned, strict=True) if ok])
         gone = len(refs) - len(values)
         if gone:
             with self._lock:
                 self._stats.writes_dropped += gone  # left host before it was written
-        self._write(values)
+        if values:
+            self._write(values)
 
-    def _write(self, values: list[tuple[ChunkRef, memoryview]]) -> bool:
-        """``SET`` each value with the TTL, in one pipeline; False (counted as skipped)
-        when the store did not take them."""
+    def _write(self, values: list[tuple[ChunkRef, bytes]]) -> bool:
+        """``SET`` each encoded value with the TTL, in one pipeline; False (counted as
+        skipped) when the store did not take them."""
         start = time.perf_counter()
 
         def send() -> None:
             pipe = self.client.pipeline(transaction=False)
-            for ref, data in values:
-                pipe.set(
-                    self.key(ref), remote_format.encode(self.layout, ref, data), px=self._ttl_ms
-                )
+            for ref, value in values:
+                pipe.set(self.key(ref), value, px=self._ttl_ms)
             pipe.execute()
 
         try:
