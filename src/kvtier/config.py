@@ -143,8 +143,10 @@ class RemoteConfig(LowerTierConfig):
             refs; the bytes are read from host when written); when full, the oldest waiting
             write is dropped and counted (``TierStats.writes_dropped``).
         tls_ca_certs: a CA bundle file for ``rediss://`` (None: the system's).
-        capacity_bytes: not enforced here (the store is shared; Redis's ``maxmemory`` caps
-            it); reported as the tier's budget.
+        capacity_bytes: the most bytes of values this instance keeps in the store (what it
+            wrote; past it, its least recently used values are deleted). The store as a
+            whole is bounded by the sum of its instances' caps, the TTL, and Redis's
+            ``maxmemory``.
     """
 
     kind: ClassVar[str] = "remote"

@@ -17,7 +17,7 @@ import torch
 from kvbench.redis_cluster import RedisCluster, available, free_ports
 from kvtier.config import RemoteConfig
 from kvtier.kv import KVLayout
-from kvtier.tiers import host_tier
+from kvtier.tiers import host_tier, remote_format
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import make_chunks
 
@@ -50,6 +50,34 @@ def test_corrupt_and_truncated_values_are_dropped_and_never_served(
     assert torch.equal(outs[2], c.data)
     assert tier.stats().corrupt_dropped == 2
     assert tier.client.exists(tier.key(a), tier.key(b)) == 0  # deleted
+    tier.close()
+
+
+def test_the_size_cap_deletes_this_instances_least_recently_used_values(
+    redis_cluster: RedisCluster, layout: KVLayout
+) -> None:
+    chunks = make_chunks(layout, 4)
+    value_nbytes = len(
+        remote_format.encode(
+            layout, chunks[0].ref, chunks[0].data.view(torch.uint8).reshape(-1).numpy().data
+        )
+    )
+    tier = _tier(layout, redis_cluster.url, capacity_bytes=3 * value_nbytes)
+    a, b, c, d = chunks
+    tier.put([a, b, c])
+    assert tier.used_bytes == 3 * value_nbytes
+    out = torch.empty(layout.chunk_shape)
+    assert tier.get_into([a.ref], [out]) == [True]  # a is now the most recently used
+    tier.put([d])  # over the cap: b, the least recently used, goes
+    assert [tier.client.exists(tier.key(x.ref)) for x in chunks] == [1, 0, 1, 1]
+    assert tier.used_bytes == 3 * value_nbytes and tier.stats().evictions == 1
+    other = RemoteTier(layout, tier.config)  # another instance: its share starts empty
+    assert other.used_bytes == 0 and other.contains(c.ref)
+    tier.remove([a.ref, c.ref])
+    assert tier.used_bytes == value_nbytes
+    tier.clear()
+    assert tier.used_bytes == 0 and len(other) == 0
+    other.close()
     tier.close()
 
 

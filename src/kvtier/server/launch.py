@@ -137,6 +137,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--remote-ttl-s", type=float, default=24 * 3600.0, help="shared chunks expire after this"
     )
     parser.add_argument(
+        "--remote-mb",
+        type=int,
+        default=64 * 1024,
+        help="the most this instance keeps in the shared tier (its least recently used "
+        "values are deleted past it)",
+    )
+    parser.add_argument(
         "--remote-timeout-s",
         type=float,
         default=0.5,
@@ -211,6 +218,7 @@ def lower_tiers(args: argparse.Namespace) -> tuple[LowerTierConfig, ...]:
                 key_prefix=args.remote_prefix,
                 ttl_s=args.remote_ttl_s or None,
                 timeout_s=args.remote_timeout_s,
+                capacity_bytes=args.remote_mb * MiB,
             )
         )
     return tuple(tiers)

@@ -20,9 +20,15 @@ is found here.
   most one timeout before its KV is recomputed. One warning when the tier goes down and one
   line when a call succeeds again, not one per request. The client reconnects by itself.
 
-Not in Redis: pins (host pins what it serves), eviction order (Redis's TTL and
-``maxmemory`` policy bound the store), ``refs`` and ``used_bytes`` (a shared store is not
-listed; ``len`` scans it).
+- **Size cap**: ``capacity_bytes`` bounds the bytes of the values *this instance* wrote
+  and still holds there (its own LRU, refreshed by its reads): past it, the least recently
+  used of them are deleted. Every instance caps its own writes, so the store holds at most
+  the sum of their caps (plus what a restarted instance wrote before, which only the TTL
+  bounds). Redis's ``maxmemory`` policy still bounds the store as a whole.
+
+Not in Redis: pins (host pins what it serves), ``refs`` and ``used_bytes`` of the whole
+store (a shared store is not listed; ``len`` scans it; ``used_bytes`` is this instance's
+share).
 
 Thread-safety: every method is thread-safe (redis-py's clients pool their connections;
 the counters and the queue have locks).
@@ -35,7 +41,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -81,6 +87,10 @@ class RemoteTier(Tier):
         self._closing = False
         self._writer: threading.Thread | None = None
         self._writing = 0  # refs taken by the writer, not yet written
+        # The values this instance wrote, least recently used first: key -> value bytes
+        # (under self._lock; the size cap deletes from the front).
+        self._owned: OrderedDict[str, int] = OrderedDict()
+        self._owned_bytes = 0
         with contextlib.suppress(Unavailable):  # connect now: one clear line if it cannot
             self._call(lambda: self.client.ping())
 
@@ -151,6 +161,8 @@ class RemoteTier(Tier):
                 if ok and as_use:
                     self._stats.bytes_out += self.chunk_nbytes
                     self._stats.get_seconds += elapsed
+                if ok and self.key(ref) in self._owned:
+                    self._owned.move_to_end(self.key(ref))
             if status == "corrupt":
                 self.remove([ref])
             found.append(status == "ok")
@@ -271,7 +283,30 @@ class RemoteTier(Tier):
             self._stats.puts += len(values)
             self._stats.bytes_in += len(values) * self.chunk_nbytes
             self._stats.put_seconds += time.perf_counter() - start
+            for ref, value in values:
+                key = self.key(ref)
+                self._owned_bytes += len(value) - self._owned.pop(key, 0)
+                self._owned[key] = len(value)
+            victims = []
+            while self._owned_bytes > self.capacity_bytes and len(self._owned) > 1:
+                key, nbytes = self._owned.popitem(last=False)
+                self._owned_bytes -= nbytes
+                victims.append(key)
+            self._stats.evictions += len(victims)
+        if victims:
+            self._delete(victims)
         return True
+
+    def _delete(self, keys: list[str]) -> int:
+        """``DEL`` keys (one call each: a cluster's keys lie in different slots); how many
+        the store held (0 while it is down)."""
+        with self._lock:
+            for key in keys:
+                self._owned_bytes -= self._owned.pop(key, 0)
+        try:
+            return int(sum(self._call(functools.partial(self.client.delete, k)) for k in keys))
+        except Unavailable:
+            return 0
 
     # ---- the rest of the interface -------------------------------------------------------
 
@@ -285,26 +320,23 @@ class RemoteTier(Tier):
     def remove(self, refs: Iterable[ChunkRef]) -> int:
         """Delete chunks from the store; returns how many it held."""
         keys = [self.key(r) for r in refs]
-        if not keys:
-            return 0
-        try:
-            return int(sum(self._call(functools.partial(self.client.delete, k)) for k in keys))
-        except Unavailable:
-            return 0
+        return self._delete(keys) if keys else 0
 
     def clear(self) -> None:
         """Delete every chunk of this layout under the prefix (every instance's)."""
         pattern = remote_format.layout_pattern(self.config.key_prefix, self.layout)
         try:
-            for key in self._call(lambda: list(self.client.scan_iter(match=pattern, count=500))):
-                self._call(functools.partial(self.client.delete, key))
+            keys = self._call(lambda: list(self.client.scan_iter(match=pattern, count=500)))
         except Unavailable:
             return
+        self._delete([k.decode() if isinstance(k, bytes) else k for k in keys])
 
     @property
     def used_bytes(self) -> int:
-        """Not known for a shared store (its ``INFO memory`` says): 0."""
-        return 0
+        """Bytes of the values this instance wrote and still holds in the store (its share,
+        which ``capacity_bytes`` caps; the whole store's is in its ``INFO memory``)."""
+        with self._lock:
+            return self._owned_bytes
 
     def __len__(self) -> int:
         """Chunks of this layout under the prefix, every instance's (a ``SCAN`` of the
