@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -172,12 +173,16 @@ def test_full_filesystem_stops_disk_writes_and_serving_goes_on(
     ) > 0
 
 
-def test_a_read_only_disk_folder_is_refused_at_start_with_one_clear_line(
-    model: Any, tokenizer: Any, tmp_path: Path
+def test_a_read_only_disk_folder_serves_what_it_holds_and_says_so_once(
+    model: Any,
+    tokenizer: Any,
+    expected: list[list[int]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The folder's filesystem is mounted read-only after a run left KV in it (EROFS from
-    the kernel; root ignores file modes, not a read-only mount). The engine does not start
-    on it, and says why in one line naming the folder."""
+    the kernel; root ignores file modes, not a read-only mount). The engine starts on it,
+    serves the chunks it holds from disk, keeps new KV in host, and says so in one line."""
     with tiny_tmpfs(tmp_path / "ro", size_kib=8192) as disk:
         config = with_policy(engine_config(disk_dir=str(disk)), "write_through")
         with Engine(model, tokenizer, config) as engine:
@@ -187,9 +192,15 @@ def test_a_read_only_disk_folder_is_refused_at_start_with_one_clear_line(
         )
         if remount.returncode != 0:
             pytest.skip(f"cannot remount read-only: {remount.stderr.decode().strip()}")
-        with pytest.raises(ValueError, match="Read-only file system") as caught:
-            Engine(model, tokenizer, config)
-    assert str(disk) in str(caught.value) and "\n" not in str(caught.value)
+        caplog.set_level(logging.WARNING, logger="kvtier")
+        with Engine(model, tokenizer, config) as engine:
+            results = run(engine, PROMPTS)
+            stats = engine.manager.stats().tiers["disk"]
+    assert [r.token_ids for r in results] == expected
+    assert results[0].reused_tokens > 0  # the first prompt's KV came back from disk
+    assert stats.hits > 0 and stats.puts == 0 and stats.writes_disabled == 1
+    lines = [r.getMessage() for r in caplog.records if "takes no writes" in r.getMessage()]
+    assert len(lines) == 1 and str(disk) in lines[0] and "Read-only file system" in lines[0]
 
 
 def test_device_that_refuses_every_write(

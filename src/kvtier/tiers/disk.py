@@ -116,6 +116,15 @@ class DiskTier(Tier):
             fsync,
         )
         self.o_direct = self._files.o_direct
+        if self._files.read_only is not None:
+            self._write_fault = self._files.read_only  # reads only, from the start
+            self._stats.writes_disabled = 1
+            log.warning(
+                "disk: %s takes no writes (%s): serving the chunks it holds, read-only; "
+                "new KV stays in the other tiers",
+                self.path,
+                self._files.read_only.strerror,
+            )
         self._seq_lock = threading.Lock()  # guards _next_seq
         self._next_seq = 0
         self._pool_lock = threading.Lock()  # guards making _pool

@@ -6,6 +6,11 @@ directory, takes the layout's lock file (``flock``), opens segments as they are 
 needed, flushes them and closes them. It knows slot geometry (where slot ``k`` lives) but
 nothing of headers or chunks; ``kvtier.tiers.disk.DiskTier`` does the reads and writes.
 
+A directory that exists but takes no writes (a read-only mount, no write permission) is
+opened **read-only** (``read_only`` says why): segments already there open ``O_RDONLY``,
+no segment is created, free-slot headers are not written, and the lock file is taken only
+if it is there.
+
 Thread-safety: every method is thread-safe; one lock guards the table of open files.
 """
 
@@ -37,7 +42,8 @@ class SegmentFiles:
         fsync: open segments for durable writes (see ``disk_io.open_file``).
 
     Raises:
-        ValueError: ``path`` is not a writable directory, or another tier holds its lock.
+        ValueError: ``path`` is not a directory kvtier can create or read, or another tier
+            holds its lock.
     """
 
     def __init__(
@@ -55,6 +61,7 @@ class SegmentFiles:
         self.segment_slots = segment_slots
         self.slot_nbytes = slot_nbytes
         self.fsync = fsync
+        self.read_only: OSError | None = None  # set: the directory takes no writes (why)
         self.o_direct = self._prepare_directory(use_o_direct)
         self._lock_fd = self._lock_directory()
         self._fds: dict[int, int] = {}  # segment -> fd
@@ -95,6 +102,8 @@ class SegmentFiles:
         with self._lock:
             if self._closed:
                 raise RuntimeError("disk: the tier is closed")
+            if self.read_only is not None:
+                raise self.read_only
             if segment not in self._fds:
                 self._fds[segment] = disk_io.open_file(
                     self.segment_path(segment), self.o_direct, self.fsync
@@ -103,7 +112,11 @@ class SegmentFiles:
 
     def open_existing(self, segment: int) -> tuple[int, int]:
         """Open a segment found by ``adopt`` (at start); returns (fd, its size in bytes)."""
-        fd, size = disk_io.open_file(self.segment_path(segment), self.o_direct, self.fsync)
+        if self.read_only is not None:
+            fd = os.open(self.segment_path(segment), os.O_RDONLY)
+            size = os.fstat(fd).st_size
+        else:
+            fd, size = disk_io.open_file(self.segment_path(segment), self.o_direct, self.fsync)
         with self._lock:
             self._fds[segment] = fd
         return fd, size
@@ -124,7 +137,7 @@ class SegmentFiles:
         """Mark a slot free on disk (an all-zero header). Raises ``OSError``."""
         segment, index = divmod(slot, self.segment_slots)
         fd = self._fds.get(segment)
-        if fd is not None:  # no file yet: nothing was ever written there
+        if fd is not None and self.read_only is None:  # no file: nothing was written there
             disk_io.pwrite_all(fd, self._zeros, index * self.slot_nbytes)
 
     def error(self, exc: OSError, segment: int) -> OSError:
@@ -150,30 +163,41 @@ class SegmentFiles:
         errors: list[OSError] = []
         for fd in fds:
             try:
-                disk_io.datasync(fd)
+                if self.read_only is None:
+                    disk_io.datasync(fd)
             except OSError as exc:
                 errors.append(exc)
             finally:
                 os.close(fd)
-        os.close(self._lock_fd)  # releases the flock
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
         if errors:
             raise errors[0]
 
     def _prepare_directory(self, use_o_direct: bool) -> bool:
-        """Create ``path`` if needed and check it takes writes; True if O_DIRECT works."""
+        """Create ``path`` if needed and check it takes writes; True if O_DIRECT works.
+        A readable directory that takes no writes sets ``read_only`` (buffered reads)."""
         try:
             os.makedirs(self.path, exist_ok=True)
             return disk_io.probe_writes(self.path, use_o_direct)
         except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and os.access(
+                self.path, os.R_OK | os.X_OK
+            ):
+                self.read_only = exc
+                return False
             raise ValueError(
                 f"disk.path: {self.path!r} is not a writable directory ({exc.strerror}); "
                 "give a directory kvtier can create and write"
             ) from None
 
-    def _lock_directory(self) -> int:
-        """Take this layout's lock file in ``path``, so one process owns the segments."""
+    def _lock_directory(self) -> int | None:
+        """Take this layout's lock file in ``path``, so one process owns the segments
+        (read-only: the lock file if it is there, else None)."""
         lock_path = os.path.join(self.path, lock_name(self.fingerprint))
-        fd = disk_io.lock_exclusive(lock_path)
+        if self.read_only is not None and not os.path.exists(lock_path):
+            return None
+        fd = disk_io.lock_exclusive(lock_path, create=self.read_only is None)
         if fd is None:
             raise ValueError(
                 f"disk.path: {self.path!r} is in use by another disk tier (lock {lock_path}); "

@@ -99,12 +99,13 @@ def probe_writes(path: str, want_direct: bool) -> bool:
             os.unlink(probe)
 
 
-def lock_exclusive(path: str) -> int | None:
-    """Open ``path`` (created if missing) and ``flock`` it; None if another holds the lock.
+def lock_exclusive(path: str, create: bool = True) -> int | None:
+    """Open ``path`` (created if missing, with ``create``; else read-only) and ``flock``
+    it; None if another holds the lock.
 
     The lock lasts until the returned fd is closed.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644) if create else os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
