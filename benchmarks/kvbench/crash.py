@@ -2,7 +2,9 @@
 
 For each write policy: start ``kvtier serve`` on a fresh disk directory, send distinct
 prompts (no shared prefix, so every reused token comes from disk), wait ``--settle-s``,
-``SIGKILL`` the server, start it again on the same directory and send the prompts again.
+start a streamed completion and ``SIGKILL`` the server once its first token came (noting
+the bytes ``/metrics`` said the disk tier held just before), start it again on the same
+directory, check it holds at least those bytes, and send the prompts again.
 The figure is the fraction of cacheable prompt tokens (whole chunks, less the last token)
 that the restarted server reports as ``usage.prompt_tokens_details.cached_tokens``; the
 completions must be identical to the first run's. The disk is real (the local
@@ -11,17 +13,21 @@ filesystem), fsync on (``kvtier serve``'s default).
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import random
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvbench.common import base_parser, machine_info, print_machine, write_json
 from kvbench.serve import Server, ServerConfig
+from kvbench.serve_client import by_label, scrape_metrics
 
 POLICIES = ("write_through", "write_back")
 WORDS = [
@@ -118,10 +124,16 @@ def run_policy(
     try:
         first = [complete(first_server.port, text, max_tokens) for text in texts]
         time.sleep(settle_s)  # everything sealed is now older than settle_s
+        # Mid-stream: a long generation is streaming when the server is killed; what the
+        # server reported held on disk just before is what must be found again.
+        with stream_started(first_server.port, texts[0] + " And then", 256):
+            durable = disk_bytes(first_server.port)
+            first_server.kill()  # SIGKILL
     finally:
-        first_server.kill()  # SIGKILL
+        first_server.kill()
     second_server = start()
     try:
+        found = disk_bytes(second_server.port)
         start_s = time.perf_counter()
         again = [complete(second_server.port, text, max_tokens) for text in texts]
         resend_s = time.perf_counter() - start_s
@@ -137,8 +149,43 @@ def run_policy(
         "cached_tokens_after_kill": cached,
         "reused_fraction": cached / cacheable if cacheable else 0.0,
         "outputs_identical": [r["text"] for r in first] == [r["text"] for r in again],
+        "disk_bytes_reported_before_kill": durable,
+        "disk_bytes_found_after_restart": found,
+        "durable_found_again": found >= durable,
         "resend_s": resend_s,
     }
+
+
+def disk_bytes(port: int) -> float:
+    """The bytes the server's ``/metrics`` says its disk tier holds."""
+    return by_label(scrape_metrics(port), "kvtier_tier_used_bytes").get("disk", 0.0)
+
+
+@contextlib.contextmanager
+def stream_started(port: int, prompt: str, max_tokens: int) -> Iterator[None]:
+    """A streamed completion of ``prompt``, open (its first token received) for the body."""
+    body = {
+        "model": served_model(port),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        for line in reply:
+            if line.startswith(b"data: {"):
+                break  # a token came: the stream is under way
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                reply.read()  # the server is gone: the stream ends without [DONE]
 
 
 def tiny_model_folder(folder: Path) -> str:

@@ -1,6 +1,7 @@
-"""``kvtier serve --write-policy write_through`` killed with SIGKILL: a restart on the same
-disk directory reuses the KV of every prompt sealed more than two seconds before the kill,
-and answers exactly as before (issue 8, item 5)."""
+"""``kvtier serve --write-policy write_through`` killed with SIGKILL while a completion
+streams: a restart on the same disk directory finds every byte its ``/metrics`` said the
+disk held just before the kill, reuses the KV of every prompt sealed more than two seconds
+before it, and answers exactly as before (issue 8, item 5; issue 12, item 5)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,5 @@ def test_write_through_survives_kill_9(tmp_path: Path) -> None:
     assert result["cacheable_tokens"] > 0
     assert result["reused_fraction"] >= 0.95, result
     assert result["outputs_identical"], result
+    assert result["disk_bytes_reported_before_kill"] > 0, result
+    assert result["durable_found_again"], result  # killed mid-stream
