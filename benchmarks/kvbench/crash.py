@@ -93,7 +93,7 @@ def complete(port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 def run_policy(
-    model: str,
+    model: str | None,
     workdir: Path,
     policy: str,
     texts: list[str],

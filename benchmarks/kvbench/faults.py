@@ -1,7 +1,8 @@
 """Benchmark ``faults``: does anything get lost or go wrong when the shared tier fails?
 
 Question: with the shared Redis Cluster tier under the engine, when a master dies, the
-whole cluster stops, or values in Redis (or bytes in the disk tier's files) are corrupt,
+whole cluster stops, values in Redis (or bytes in the disk tier's files) are corrupt, the
+disk fills or is read-only, or the server is killed mid-stream,
 does every request still complete with the tokens of a fault-free run, how much latency
 does a request add while the cluster is down, and does the tier recover when it returns?
 
@@ -21,7 +22,11 @@ Scenarios (each on its own key prefix of one real 3-master, 3-replica cluster):
   latency is measured the same way;
 - ``corrupt_values``: A's values in Redis get a flipped byte or are truncated; B must
   detect them (``corrupt_dropped``), never serve them, and recompute;
-- ``corrupt_disk``: the disk tier's segment files get flipped bytes after a restart.
+- the disk scenarios (``kvbench.faults_disk``): ``corrupt_disk`` (segment files get
+  flipped bytes after a restart), ``disk_full`` (write-through onto a tmpfs that fills),
+  ``disk_read_only`` (the folder's filesystem remounted read-only after a run), and
+  ``kill9_mid_stream`` (``kvtier serve`` killed while a completion streams, restarted on
+  the same folder: what ``/metrics`` reported on disk is found again).
 
 Summary keys: ``lost_requests`` (requests that did not complete), ``wrong_outputs`` (tokens
 different from the fault-free run's), ``recovered_after_cluster_restart``,
@@ -31,7 +36,6 @@ different from the fault-free run's), ``recovered_after_cluster_restart``,
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import tempfile
 import time
@@ -40,75 +44,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvbench import faults_disk
 from kvbench.common import base_parser, machine_info, print_machine, write_json
+from kvbench.fault_bench import Bench, score, serve_one
 from kvbench.redis_cluster import RedisCluster
-from kvtier.config import DiskConfig, RemoteConfig
-from kvtier.engine import Engine, EngineConfig, SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-@dataclasses.dataclass
-class Bench:
-    """What every scenario needs: the model, a config builder and the prompts."""
-
-    model: Any
-    tokenizer: Any
-    base: EngineConfig  # no lower tiers; the scenarios add theirs
-    prompts: list[list[int]]
-    timeout_s: float = 0.5
-    reference: list[list[int]] = dataclasses.field(default_factory=list)
-
-    def config(
-        self, cluster: RedisCluster | None, prefix: str, disk: str | None = None
-    ) -> EngineConfig:
-        tiers: list[Any] = []
-        if disk is not None:
-            tiers.append(DiskConfig(path=disk, fsync=False))
-        if cluster is not None:
-            tiers.append(
-                RemoteConfig(
-                    url=cluster.url,
-                    key_prefix=prefix,
-                    cluster=True,
-                    timeout_s=self.timeout_s,
-                    retry_after_s=1.0,
-                )
-            )
-        manager = dataclasses.replace(self.base.manager, lower_tiers=tuple(tiers))
-        return dataclasses.replace(self.base, manager=manager)
-
-    def serve(self, config: EngineConfig, prompts: list[list[int]]) -> list[dict[str, Any]]:
-        """Each prompt, one at a time, on a new engine; per request its tokens, TTFT and
-        reused tokens (None tokens: it failed)."""
-        with Engine(self.model, self.tokenizer, config) as engine:
-            return [_one(engine, p) for p in prompts]
-
-
-def _one(engine: Engine, prompt: list[int]) -> dict[str, Any]:
-    start = time.perf_counter()
-    try:
-        handle = engine.submit(prompt, GREEDY)
-        first, events = None, []
-        for event in handle:  # the stream is consumed here: the completion is built from it
-            if first is None and event.token_id is not None:
-                first = time.perf_counter() - start
-            events.append(event)
-        out = handle.completion_of(events)
-    except Exception as exc:
-        return {"tokens": None, "error": repr(exc), "ttft_s": None, "reused": 0}
-    done = out.finish_reason in ("length", "stop")
-    return {"tokens": out.token_ids if done else None, "ttft_s": first, "reused": out.reused_tokens}
-
-
-def _score(bench: Bench, runs: list[dict[str, Any]], prompts: list[list[int]]) -> dict[str, int]:
-    index = {tuple(p): i for i, p in enumerate(bench.prompts)}
-    lost = sum(r["tokens"] is None for r in runs)
-    wrong = sum(
-        r["tokens"] is not None and r["tokens"] != bench.reference[index[tuple(p)]]
-        for r, p in zip(runs, prompts, strict=True)
-    )
-    return {"requests": len(runs), "lost": lost, "wrong": wrong}
+from kvtier.engine import Engine, EngineConfig
 
 
 def master_killed(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
@@ -117,15 +57,15 @@ def master_killed(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
     bench.serve(config, bench.prompts)  # A: the chunks go to the cluster
     killed = cluster.master_ports()[0]
     with Engine(bench.model, bench.tokenizer, config) as b:
-        runs = [_one(b, bench.prompts[0])]
+        runs = [serve_one(b, bench.prompts[0])]
         cluster.kill_node(killed)
-        runs += [_one(b, p) for p in bench.prompts[1:]]
+        runs += [serve_one(b, p) for p in bench.prompts[1:]]
     cluster.wait_failover(killed)  # a replica took over the dead master's slots
     after = bench.serve(config, bench.prompts)  # C: from the promoted replicas
     cluster.restart_node(killed)  # it rejoins, as a replica
     cluster.wait_ok(timeout_s=60)
-    score = _score(bench, runs + after, bench.prompts * 2)
-    return {**score, "reused_after_failover": sum(r["reused"] for r in after)}
+    scored = score(bench, runs + after, bench.prompts * 2)
+    return {**scored, "reused_after_failover": sum(r["reused"] for r in after)}
 
 
 def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
@@ -134,11 +74,11 @@ def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
     fresh = _fresh_prompts(bench, 2 * len(bench.prompts))
     up, down_prompts = fresh[: len(bench.prompts)], fresh[len(bench.prompts) :]
     with Engine(bench.model, bench.tokenizer, config) as engine:
-        runs_up = [_one(engine, p) for p in up]  # recompute with the cluster up
+        runs_up = [serve_one(engine, p) for p in up]  # recompute with the cluster up
         ports = list(cluster.procs)
         for port in ports:
             cluster.kill_node(port)
-        runs_down = [_one(engine, p) for p in down_prompts]  # recompute, the cluster down
+        runs_down = [serve_one(engine, p) for p in down_prompts]  # recompute, the cluster down
         for port in ports:
             cluster.restart_node(port)
         cluster.wait_ok(timeout_s=60)
@@ -146,7 +86,7 @@ def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         remote = engine.manager.tier("remote")
         tries: list[dict[str, Any]] = []
         for prompt in bench.prompts * 4:  # until a request's chunks reach the cluster again
-            tries.append(_one(engine, prompt))
+            tries.append(serve_one(engine, prompt))
             remote.sync()
             if remote.stats().puts > 0:
                 break
@@ -161,7 +101,7 @@ def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         if d["ttft_s"] is not None and u["ttft_s"] is not None
     ]
     lost = sum(r["tokens"] is None for r in runs_up + runs_down + tries + later)
-    wrong = _score(bench, [*tries, *later], [*(bench.prompts * 4)[: len(tries)], last])["wrong"]
+    wrong = score(bench, [*tries, *later], [*(bench.prompts * 4)[: len(tries)], last])["wrong"]
     return {
         "requests": len(runs_up) + len(runs_down) + len(tries) + 1,
         "lost": lost,
@@ -183,7 +123,7 @@ def cluster_paused(bench: Bench, cluster: RedisCluster, pause_s: float = 12.0) -
     fresh = _fresh_prompts(bench, 2 * len(bench.prompts))
     up, paused = fresh[: len(bench.prompts)], fresh[len(bench.prompts) :]
     with Engine(bench.model, bench.tokenizer, config) as engine:
-        runs_up = [_one(engine, p) for p in up]
+        runs_up = [serve_one(engine, p) for p in up]
         until = time.perf_counter() + pause_s
         for port in cluster.procs:
             cluster.cli(port, "CLIENT", "PAUSE", str(int(pause_s * 1000)), "ALL")
@@ -191,7 +131,7 @@ def cluster_paused(bench: Bench, cluster: RedisCluster, pause_s: float = 12.0) -
         for p in paused:
             if time.perf_counter() > until - 0.5:
                 break  # the pause is about to end: what follows would not be paused
-            runs_paused.append(_one(engine, p))
+            runs_paused.append(serve_one(engine, p))
     time.sleep(max(0.0, until - time.perf_counter()))
     added = [
         d["ttft_s"] - u["ttft_s"]
@@ -229,30 +169,9 @@ def corrupt_values(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         damaged += 1
     client.close()
     with Engine(bench.model, bench.tokenizer, config) as engine:
-        runs = [_one(engine, p) for p in bench.prompts]
+        runs = [serve_one(engine, p) for p in bench.prompts]
         corrupt = engine.manager.tier("remote").stats().corrupt_dropped
-    return {**_score(bench, runs, bench.prompts), "damaged": damaged, "detected": corrupt}
-
-
-def corrupt_disk(bench: Bench, folder: Path) -> dict[str, Any]:
-    disk = str(folder / "kv")
-    config = bench.config(None, "", disk=disk)
-    bench.serve(config, bench.prompts)  # closed: the chunks are on disk
-    flipped = 0
-    for segment in sorted(Path(disk).glob("*.kvseg")):
-        data = bytearray(segment.read_bytes())
-        for offset in range(4096 + 17, len(data), 1 << 16):  # past the first header block
-            data[offset] ^= 0x01
-            flipped += 1
-        segment.write_bytes(bytes(data))
-    with Engine(bench.model, bench.tokenizer, config) as engine:
-        runs = [_one(engine, p) for p in bench.prompts]
-        disk_stats = engine.manager.tier("disk").stats()
-    return {
-        **_score(bench, runs, bench.prompts),
-        "flipped_bytes": flipped,
-        "detected": disk_stats.corrupt_dropped,
-    }
+    return {**score(bench, runs, bench.prompts), "damaged": damaged, "detected": corrupt}
 
 
 def _prefix() -> str:
@@ -269,13 +188,17 @@ def _fresh_prompts(bench: Bench, count: int) -> list[list[int]]:
 def run_all(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
     """Every scenario, then the summary keys."""
     bench.reference = [r["tokens"] for r in bench.serve(bench.config(None, ""), bench.prompts)]
+    folder = Path(tempfile.mkdtemp(prefix="kvtier-faults-"))
     scenarios: dict[str, Callable[[], dict[str, Any]]] = {
         "master_killed": lambda: master_killed(bench, cluster),
         "cluster_down": lambda: cluster_down(bench, cluster),
         "cluster_paused": lambda: cluster_paused(bench, cluster),
         "corrupt_values": lambda: corrupt_values(bench, cluster),
-        "corrupt_disk": lambda: corrupt_disk(
-            bench, Path(tempfile.mkdtemp(prefix="kvtier-faults-"))
+        "corrupt_disk": lambda: faults_disk.corrupt_disk(bench, folder / "corrupt"),
+        "disk_full": lambda: faults_disk.disk_full(bench, folder),
+        "disk_read_only": lambda: faults_disk.disk_read_only(bench, folder),
+        "kill9_mid_stream": lambda: faults_disk.kill9_mid_stream(
+            folder / "kill9", len(bench.prompts), words=len(bench.prompts[0]) // 2
         ),
     }
     results = {}

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvbench import mounts
 from kvtier.config import DiskConfig
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.kv import KVLayout
@@ -132,17 +132,11 @@ def test_truncated_segment_found_at_restart(
 @contextlib.contextmanager
 def tiny_tmpfs(path: Path, size_kib: int) -> Iterator[Path]:
     """A real ``size_kib`` tmpfs mounted at ``path``; skips where mounting is not allowed."""
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
-        capture_output=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+        with mounts.tmpfs(path, size_kib) as mounted:
+            yield mounted
+    except mounts.MountRefused as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
@@ -187,11 +181,7 @@ def test_a_read_only_disk_folder_serves_what_it_holds_and_says_so_once(
         config = with_policy(engine_config(disk_dir=str(disk)), "write_through")
         with Engine(model, tokenizer, config) as engine:
             run(engine, PROMPTS[:1])
-        remount = subprocess.run(
-            ["mount", "-o", "remount,ro", str(disk)], capture_output=True, check=False
-        )
-        if remount.returncode != 0:
-            pytest.skip(f"cannot remount read-only: {remount.stderr.decode().strip()}")
+        mounts.remount_read_only(disk)  # a tmpfs was mounted: remounting it is allowed
         caplog.set_level(logging.WARNING, logger="kvtier")
         with Engine(model, tokenizer, config) as engine:
             results = run(engine, PROMPTS)

@@ -1,5 +1,6 @@
 """The shared tier's faults on a real Redis Cluster of their own (a master killed, the
-whole cluster down and back, corrupt and truncated values) and corrupt disk files: no
+whole cluster down and back, corrupt and truncated values) and the disk's (corrupt files,
+a filesystem that fills, one read-only at start): no
 request is lost, every output equals the fault-free run's, the tier recovers. The
 scenarios are ``kvtier bench faults``'s, here on the tiny random model."""
 
@@ -11,14 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvbench.faults import (
-    Bench,
-    cluster_down,
-    cluster_paused,
-    corrupt_disk,
-    corrupt_values,
-    master_killed,
-)
+from kvbench.fault_bench import Bench
+from kvbench.faults import cluster_down, cluster_paused, corrupt_values, master_killed
+from kvbench.faults_disk import corrupt_disk, disk_full, disk_read_only
 from kvbench.redis_cluster import RedisCluster, available
 from kvtier.engine import EngineConfig
 from tests.engine.tiny import CHUNK, engine_config
@@ -69,6 +65,16 @@ def test_corrupt_disk_files_are_never_served(bench: Bench, tmp_path: Path) -> No
     result = corrupt_disk(bench, tmp_path)
     assert (result["lost"], result["wrong"]) == (0, 0)
     assert result["flipped_bytes"] > 0 and result["detected"] > 0
+
+
+def test_a_disk_that_fills_or_is_read_only_loses_nothing(bench: Bench, tmp_path: Path) -> None:
+    full = disk_full(bench, tmp_path)
+    read_only = disk_read_only(bench, tmp_path)
+    if "not_run" in full:
+        pytest.skip(full["not_run"])
+    assert (full["lost"], full["wrong"], read_only["lost"], read_only["wrong"]) == (0, 0, 0, 0)
+    assert full["disk_puts"] > 0 and full["writes_disabled"] == 1
+    assert read_only["reused_from_disk"] > 0 and read_only["disk_puts"] == 0
 
 
 def test_a_cluster_that_stops_answering_costs_at_most_the_timeout(
