@@ -79,14 +79,15 @@ def engine_config(
 
 def with_remote(config: EngineConfig, url: str, prefix: str | None = None) -> EngineConfig:
     """``config`` with the shared tier on the Redis at ``url`` below its other tiers, under
-    its own key prefix (default: a new one)."""
+    its own key prefix (default: a new one), with a timeout no loaded machine reaches (the
+    fault tests set their own)."""
     import dataclasses
     import uuid
 
     from kvtier.config import RemoteConfig
 
     prefix = prefix or f"test{uuid.uuid4().hex[:12]}"
-    remote = RemoteConfig(url=url, key_prefix=prefix, cluster=True)
+    remote = RemoteConfig(url=url, key_prefix=prefix, cluster=True, timeout_s=5.0)  # not a fault
     tiers = (*config.manager.lower_tiers, remote)
     return dataclasses.replace(
         config, manager=dataclasses.replace(config.manager, lower_tiers=tiers)

@@ -40,7 +40,9 @@ def build_tier(
 
         assert redis_url is not None
         prefix = f"test{uuid.uuid4().hex[:12]}"  # each tier its own keys on the one cluster
-        return RemoteTier(layout, RemoteConfig(url=redis_url, key_prefix=prefix, cluster=True))
+        # A timeout far above a loaded machine's latency: these contracts are not about it.
+        config = RemoteConfig(url=redis_url, key_prefix=prefix, cluster=True, timeout_s=5.0)
+        return RemoteTier(layout, config)
     raise ValueError(kind)
 
 

@@ -29,6 +29,9 @@ def _prefix() -> str:
 
 
 def _tier(layout: KVLayout, url: str, cluster: bool = True, **changes: object) -> RemoteTier:
+    """A tier on its own prefix; a 5 s timeout unless the test is about timeouts (a loaded
+    machine can take over 0.5 s to answer)."""
+    changes.setdefault("timeout_s", 5.0)
     config = RemoteConfig(url=url, key_prefix=_prefix(), cluster=cluster, **changes)  # type: ignore[arg-type]
     return RemoteTier(layout, config)
 
