@@ -5,7 +5,7 @@ prompts (no shared prefix, so every reused token comes from disk), wait ``--sett
 start a streamed completion and ``SIGKILL`` the server once its first token came (noting
 the bytes ``/metrics`` said the disk tier held just before), start it again on the same
 directory, check it holds at least those bytes, and send the prompts again.
-The figure is the fraction of cacheable prompt tokens (whole chunks, less the last token)
+The figure is the fraction of cacheable prompt tokens (all but the last of each prompt)
 that the restarted server reports as ``usage.prompt_tokens_details.cached_tokens``; the
 completions must be identical to the first run's. The disk is real (the local
 filesystem), fsync on (``kvtier serve``'s default).
@@ -139,13 +139,17 @@ def run_policy(
         resend_s = time.perf_counter() - start_s
     finally:
         second_server.stop()
-    cacheable = sum(chunk_tokens * ((r["prompt_tokens"] - 1) // chunk_tokens) for r in first)
+    # At most every prompt token but the last can be reused (whole chunks, then the pages
+    # of a partial one); the whole chunks are what write-through made durable.
+    cacheable = sum(r["prompt_tokens"] - 1 for r in first)
+    sealed = sum(chunk_tokens * ((r["prompt_tokens"] - 1) // chunk_tokens) for r in first)
     cached = sum(r["cached_tokens"] for r in again)
     return {
         "policy": policy,
         "prompts": len(texts),
         "prompt_tokens": sum(r["prompt_tokens"] for r in first),
         "cacheable_tokens": cacheable,
+        "sealed_chunk_tokens": sealed,
         "cached_tokens_after_kill": cached,
         "reused_fraction": cached / cacheable if cacheable else 0.0,
         "outputs_identical": [r["text"] for r in first] == [r["text"] for r in again],

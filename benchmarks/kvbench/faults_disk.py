@@ -90,6 +90,7 @@ def kill9_mid_stream(folder: Path, count: int, words: int) -> dict[str, Any]:
     (``kvbench.crash.run_policy``): every byte ``/metrics`` reported on disk before the
     kill is there after, and the prompts' answers are unchanged."""
     texts = crash.prompts(count, words, seed=3)
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         result = crash.run_policy(None, folder, "write_through", texts, chunk_tokens=64)
     except (OSError, RuntimeError) as exc:  # a server that did not come back

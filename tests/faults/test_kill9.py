@@ -22,7 +22,8 @@ def test_write_through_survives_kill_9(tmp_path: Path) -> None:
     texts = prompts(4, 60, seed=1)  # distinct: every reused token comes from disk
     result = run_policy(str(folder), tmp_path, "write_through", texts, settle_s=2.5)
     assert result["cacheable_tokens"] > 0
-    assert result["reused_fraction"] >= 0.95, result
+    # Every whole chunk sealed before the kill comes back (pages of partial ones may too).
+    assert result["cached_tokens_after_kill"] >= result["sealed_chunk_tokens"] > 0, result
     assert result["outputs_identical"], result
     assert result["disk_bytes_reported_before_kill"] > 0, result
     assert result["durable_found_again"], result  # killed mid-stream
