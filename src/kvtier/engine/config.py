@@ -43,8 +43,8 @@ class EngineConfig:
             throughput (fewer steps, larger forwards).
         reuse_overlap: a reused prefix whose chunks lie below host (disk) has its front
             computed while its back loads, meeting where the two cross, when the cost
-            model predicts the load takes longer than one prefill piece
-            (``kvtier.engine.overlap``). False: those chunks always load first.
+            model predicts that puts it in place in at most 3/4 of the time loading it all
+            takes (``kvtier.engine.overlap``). False: those chunks always load first.
         runner: the model's forward: ``auto`` runs kvtier's own for the Llama family
             (Llama, Mistral, Qwen2, Qwen3) and transformers' modelling for the rest;
             ``kvtier`` requires kvtier's; ``transformers`` always uses transformers'.
