@@ -40,19 +40,20 @@ def test_corrupt_and_truncated_values_are_dropped_and_never_served(
     redis_cluster: RedisCluster, layout: KVLayout
 ) -> None:
     tier = _tier(layout, redis_cluster.url)
-    a, b, c = make_chunks(layout, 3)
-    tier.put([a, b, c])
+    a, b, c, d = make_chunks(layout, 4)
+    tier.put([a, b, c, d])
     raw = tier.client.get(tier.key(a))
     flipped = bytearray(raw)
     flipped[len(raw) // 2] ^= 0x40
     tier.client.set(tier.key(a), bytes(flipped))  # a bit flipped in the data
     tier.client.set(tier.key(b), raw[: len(raw) - 100])  # truncated
-    outs = [torch.full(layout.chunk_shape, 5.0) for _ in range(3)]
-    assert tier.get_into([a.ref, b.ref, c.ref], outs) == [False, False, True]
-    assert torch.all(outs[0] == 5.0) and torch.all(outs[1] == 5.0)
+    tier.client.append(tier.key(d), b"trailing")  # longer than a value is
+    outs = [torch.full(layout.chunk_shape, 5.0) for _ in range(4)]
+    assert tier.get_into([a.ref, b.ref, c.ref, d.ref], outs) == [False, False, True, False]
+    assert torch.all(outs[0] == 5.0) and torch.all(outs[1] == 5.0) and torch.all(outs[3] == 5.0)
     assert torch.equal(outs[2], c.data)
-    assert tier.stats().corrupt_dropped == 2
-    assert tier.client.exists(tier.key(a), tier.key(b)) == 0  # deleted
+    assert tier.stats().corrupt_dropped == 3
+    assert tier.client.exists(tier.key(a), tier.key(b), tier.key(d)) == 0  # deleted
     tier.close()
 
 

@@ -54,7 +54,7 @@ from kvtier.kv.layout import KVLayout
 from kvtier.tiers import remote_format
 from kvtier.tiers.base import Tier
 from kvtier.tiers.pool import PoolTier
-from kvtier.tiers.remote_client import Guard, Unavailable, connect, store_errors
+from kvtier.tiers.remote_client import Guard, Unavailable, connect, read_value, store_errors
 from kvtier.tiers.types import PutResult
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,10 @@ class RemoteTier(Tier):
         found = []
         for ref, out in zip(refs, outs, strict=True):
             start = time.perf_counter()
+            nbytes = remote_format.value_nbytes(self.layout, ref)
+            read = functools.partial(read_value, self.client, self.key(ref), nbytes)
             try:
-                value = self._call(functools.partial(self.client.get, self.key(ref)))
+                value = self._call(read)
             except Unavailable:
                 value = None
             status, data = (

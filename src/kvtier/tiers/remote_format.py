@@ -54,7 +54,14 @@ def encode(layout: KVLayout, ref: ChunkRef, data: memoryview) -> bytes:
     return b"".join((header, data, _CHECKSUM.pack(hasher.intdigest())))
 
 
-def decode(layout: KVLayout, ref: ChunkRef, value: bytes) -> tuple[str, memoryview | None]:
+def value_nbytes(layout: KVLayout, ref: ChunkRef) -> int:
+    """The length of an intact value of ``ref``'s chunk."""
+    return header_nbytes(ref) + layout.chunk_nbytes + _CHECKSUM.size
+
+
+def decode(
+    layout: KVLayout, ref: ChunkRef, value: bytes | memoryview
+) -> tuple[str, memoryview | None]:
     """What ``value`` holds for a read of ``ref``'s chunk of ``layout``: ``("ok", data)``;
     ``("other", None)``: an intact value of another chunk under this key (a collision);
     ``("corrupt", None)``: anything else (damaged, truncated, another format)."""
