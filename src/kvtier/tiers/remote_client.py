@@ -56,7 +56,7 @@ def read_value(client: Any, key: str, nbytes: int) -> memoryview | None:
     for part in pipe.execute():
         buffer[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
         pos += len(part)
-    return memoryview(buffer)[:pos] if pos else None
+    return buffer.data[:pos] if pos else None
 
 
 def connect(config: RemoteConfig) -> Any:
