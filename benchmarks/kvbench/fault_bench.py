@@ -33,10 +33,10 @@ class Bench:
         cluster: RedisCluster | None,
         prefix: str,
         disk: str | None = None,
-        write_policy: str = "write_back",
+        write_policy: str | None = None,
     ) -> EngineConfig:
         """The base config with a disk tier at ``disk`` and the shared tier on ``cluster``
-        under ``prefix`` (each where given)."""
+        under ``prefix`` (each where given), and ``write_policy`` (None: the base's)."""
         tiers: list[Any] = []
         if disk is not None:
             tiers.append(DiskConfig(path=disk, fsync=False))
@@ -51,7 +51,9 @@ class Bench:
                 )
             )
         manager = dataclasses.replace(
-            self.base.manager, lower_tiers=tuple(tiers), write_policy=write_policy
+            self.base.manager,
+            lower_tiers=tuple(tiers),
+            write_policy=write_policy or self.base.manager.write_policy,
         )
         return dataclasses.replace(self.base, manager=manager)
 
