@@ -140,8 +140,8 @@ class RemoteTier(Tier):
         found = []
         for ref, out in zip(refs, outs, strict=True):
             start = time.perf_counter()
-            nbytes = remote_format.value_nbytes(self.layout, ref)
-            read = functools.partial(read_value, self.client, self.key(ref), nbytes)
+            key, nbytes = self.key(ref), remote_format.value_nbytes(self.layout, ref)
+            read = functools.partial(read_value, self.client, key, nbytes)
             try:
                 value = self._call(read)
             except Unavailable:
@@ -163,8 +163,8 @@ class RemoteTier(Tier):
                 if ok and as_use:
                     self._stats.bytes_out += self.chunk_nbytes
                     self._stats.get_seconds += elapsed
-                if ok and self.key(ref) in self._owned:
-                    self._owned.move_to_end(self.key(ref))
+                if ok and key in self._owned:
+                    self._owned.move_to_end(key)
             if status == "corrupt":
                 self.remove([ref])
             found.append(status == "ok")
