@@ -85,6 +85,13 @@ def test_the_size_cap_deletes_this_instances_least_recently_used_values(
     tier.close()
 
 
+def test_a_cap_below_one_chunk_is_refused_in_one_line(layout: KVLayout) -> None:
+    config = RemoteConfig(url="redis://127.0.0.1:1", capacity_bytes=layout.chunk_nbytes - 1)
+    with pytest.raises(ValueError, match="holds no chunk") as caught:
+        RemoteTier(layout, config)
+    assert "--remote-mb" in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_a_store_that_is_down_costs_one_timeout_then_nothing_and_recovers(
     layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -75,6 +75,12 @@ class RemoteTier(Tier):
 
     def __init__(self, layout: KVLayout, config: RemoteConfig, client: Any = None) -> None:
         super().__init__("remote", layout, config.capacity_bytes)
+        if config.capacity_bytes < layout.chunk_nbytes:
+            minimum_mb = -(-layout.chunk_nbytes // (1 << 20))
+            raise ValueError(
+                f"remote.capacity_bytes (--remote-mb): {config.capacity_bytes} bytes holds no "
+                f"chunk; give at least {layout.chunk_nbytes} (--remote-mb {minimum_mb})"
+            )
         self.config = config
         self._client = client
         self._client_lock = threading.Lock()
