@@ -54,7 +54,8 @@ from kvtier.kv.layout import KVLayout
 from kvtier.tiers import remote_format
 from kvtier.tiers.base import Tier
 from kvtier.tiers.pool import PoolTier
-from kvtier.tiers.remote_client import Guard, Unavailable, connect, read_value, store_errors
+from kvtier.tiers.remote_client import Guard, Unavailable, connect, store_errors
+from kvtier.tiers.remote_wire import ReadBuffers, read_value
 from kvtier.tiers.types import PutResult
 
 log = logging.getLogger(__name__)
@@ -68,12 +69,11 @@ class RemoteTier(Tier):
     Args:
         layout: the chunk layout.
         config: the store's URL, keys, TTL, timeouts and queue.
-        client: a redis-py client to use instead of connecting (tests); None: ``connect``.
     """
 
     takes_write_behind = True
 
-    def __init__(self, layout: KVLayout, config: RemoteConfig, client: Any = None) -> None:
+    def __init__(self, layout: KVLayout, config: RemoteConfig) -> None:
         super().__init__("remote", layout, config.capacity_bytes)
         if config.capacity_bytes < layout.chunk_nbytes:
             minimum_mb = -(-layout.chunk_nbytes // (1 << 20))
@@ -82,7 +82,7 @@ class RemoteTier(Tier):
                 f"chunk; give at least {layout.chunk_nbytes} (--remote-mb {minimum_mb})"
             )
         self.config = config
-        self._client = client
+        self._client: Any = None
         self._client_lock = threading.Lock()
         self._ttl_ms = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
         self._guard = Guard(config.url, config.timeout_s, config.retry_after_s, self._count_error)
@@ -97,6 +97,7 @@ class RemoteTier(Tier):
         # (under self._lock; the size cap deletes from the front).
         self._owned: OrderedDict[str, int] = OrderedDict()
         self._owned_bytes = 0
+        self._buffers = ReadBuffers()
         with contextlib.suppress(Unavailable):  # connect now: one clear line if it cannot
             self._call(lambda: self.client.ping())
 
@@ -147,18 +148,20 @@ class RemoteTier(Tier):
         for ref, out in zip(refs, outs, strict=True):
             start = time.perf_counter()
             key, nbytes = self.key(ref), remote_format.value_nbytes(self.layout, ref)
-            read = functools.partial(read_value, self.client, key, nbytes)
+            buffer = self._buffers.take(nbytes + 1)
             try:
-                value = self._call(read)
+                filled = self._call(functools.partial(read_value, self.client, key, nbytes, buffer))
             except Unavailable:
-                value = None
+                filled = -1  # given up on: the read may still write into its buffer
             status, data = (
-                ("missing", None)
-                if value is None
-                else remote_format.decode(self.layout, ref, value)
+                remote_format.decode(self.layout, ref, buffer.data[:filled])
+                if filled > 0
+                else ("missing", None)
             )
             if data is not None:
                 out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(data, np.uint8)
+            if filled >= 0:
+                self._buffers.give(buffer)
             elapsed = time.perf_counter() - start
             with self._lock:
                 ok = status == "ok"

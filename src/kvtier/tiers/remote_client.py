@@ -15,8 +15,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-import numpy as np
-
 from kvtier.config import RemoteConfig
 
 log = logging.getLogger("kvtier.tiers.remote")
@@ -35,28 +33,6 @@ def store_errors() -> tuple[type[BaseException], ...]:
 
 class Unavailable(RuntimeError):
     """The store did not answer (within the timeout, or at all); the tier is down."""
-
-
-READ_PIECE_NBYTES = 1 << 20
-"""Bytes per ``GETRANGE`` of ``read_value``: hiredis grows its reply buffer 1 MiB at a
-time, so one ~12 MB reply is copied over and over; 1 MiB pieces pipelined read a chunk in
-4–5.5 ms against 10.5 ms for one ``GET`` (loopback, 2026-12-02)."""
-
-
-def read_value(client: Any, key: str, nbytes: int) -> memoryview | None:
-    """The value at ``key``, expected to be ``nbytes`` long, read as pipelined ``GETRANGE``
-    pieces into a new buffer (a call given up on may still be writing into its own).
-    One byte past ``nbytes`` is asked for, so a longer value reads longer; a shorter one
-    reads shorter. None: no such key (every piece empty)."""
-    pipe = client.pipeline(transaction=False)
-    for start in range(0, nbytes + 1, READ_PIECE_NBYTES):
-        pipe.getrange(key, start, min(nbytes, start + READ_PIECE_NBYTES - 1))
-    buffer = np.empty(nbytes + 1, np.uint8)  # not zeroed: only what was read is shown
-    pos = 0
-    for part in pipe.execute():
-        buffer[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
-        pos += len(part)
-    return buffer.data[:pos] if pos else None
 
 
 def connect(config: RemoteConfig) -> Any:
