@@ -171,6 +171,28 @@ def test_write_behind_reads_from_host_and_drops_the_oldest_when_full(
     host.close()
 
 
+def test_write_behind_sends_nothing_the_store_holds_and_renews_its_ttl(
+    redis_cluster: RedisCluster, layout: KVLayout
+) -> None:
+    host = host_tier(layout, 4 * layout.chunk_nbytes, pin_memory=False)
+    chunks = make_chunks(layout, 3)
+    host.put(chunks)
+    a = _tier(layout, redis_cluster.url, ttl_s=100.0)
+    a.put(chunks[:2])
+    a.client.pexpire(a.key(chunks[0].ref), 5000)  # about to expire
+    b = RemoteTier(layout, a.config)  # another instance on the same keys
+    b.write_behind([c.ref for c in chunks], host)
+    b.sync()
+    stats = b.stats()
+    assert stats.duplicate_puts == 2 and stats.puts == 1  # only the one it lacked
+    assert b.used_bytes == remote_format.value_nbytes(layout, chunks[2].ref)
+    assert a.client.pttl(a.key(chunks[0].ref)) > 50_000  # renewed: it is in use
+    assert b.put(chunks).already_present == [c.key for c in chunks]
+    for tier in (a, b):
+        tier.close()
+    host.close()
+
+
 def test_plain_redis_with_one_url_and_auth(layout: KVLayout) -> None:
     server = RedisCluster.start_single(password="s3cret")
     try:

@@ -12,8 +12,11 @@ is found here.
   deleted, counted (``corrupt_dropped``) and read as a miss.
 - **Writes** are write-behind: ``write_behind`` queues refs of chunks host stored (never
   blocking; a full queue drops its oldest and counts it in ``writes_dropped``); one writer
-  thread reads each from host (pinned while it is encoded) and pipelines the ``SET``\\ s
-  with the TTL. ``put`` (a move down the stack) writes at once.
+  thread (``remote_queue``) first asks the store which of a batch it holds (their headers,
+  in one pipeline; a held key's TTL is renewed), then reads the others from host (pinned
+  while they are encoded) and pipelines their ``SET``\\ s with the TTL. ``put`` (a move
+  down the stack) writes at once, also skipping what the store holds. Chunks another
+  instance wrote are never sent again (``duplicate_puts``).
 - **Faults**: every call has ``timeout_s``. A call that fails (slow, refused, cluster down,
   no quorum) counts in ``io_errors`` and marks the tier down for ``retry_after_s``: calls
   in that window return at once (misses; writes dropped and counted), so a request waits at
@@ -41,7 +44,7 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -55,6 +58,7 @@ from kvtier.tiers import remote_format
 from kvtier.tiers.base import Tier
 from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.remote_client import Guard, Unavailable, connect, store_errors
+from kvtier.tiers.remote_queue import WriteBehindQueue
 from kvtier.tiers.remote_wire import ReadBuffers, read_value
 from kvtier.tiers.types import PutResult
 
@@ -87,12 +91,8 @@ class RemoteTier(Tier):
         self._ttl_ms = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
         self._guard = Guard(config.url, config.timeout_s, config.retry_after_s, self._count_error)
         self._call = self._guard.call
-        self._queue: deque[ChunkRef] = deque()
-        self._queue_cond = threading.Condition()
-        self._source: PoolTier | None = None
-        self._closing = False
-        self._writer: threading.Thread | None = None
-        self._writing = 0  # refs taken by the writer, not yet written
+        self._source: PoolTier | None = None  # where write-behind reads from (host)
+        self._queue = WriteBehindQueue(self._write_batch, config.write_behind_chunks, _BATCH_CHUNKS)
         # The values this instance wrote, least recently used first: key -> value bytes
         # (under self._lock; the size cap deletes from the front).
         self._owned: OrderedDict[str, int] = OrderedDict()
@@ -135,6 +135,27 @@ class RemoteTier(Tier):
         except Unavailable:
             return False
         return bool(head) and remote_format.names(self.layout, ref, head)
+
+    def _held(self, refs: Sequence[ChunkRef]) -> list[bool]:
+        """Whether the store holds each chunk with these token ids: every header read in
+        one pipelined call. With a TTL, the keys held live one TTL more from now (they are
+        in use). Raises ``Unavailable`` while the tier is down."""
+
+        def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for ref in refs:
+                key = self.key(ref)
+                pipe.getrange(key, 0, remote_format.header_nbytes(ref) - 1)
+                if self._ttl_ms is not None:
+                    pipe.pexpire(key, self._ttl_ms)
+            return list(pipe.execute())
+
+        replies = self._call(read) if refs else []
+        heads = replies[:: 1 if self._ttl_ms is None else 2]
+        return [
+            bool(h) and remote_format.names(self.layout, r, h)
+            for r, h in zip(refs, heads, strict=True)
+        ]
 
     def get_into(
         self, refs: Sequence[ChunkRef], outs: Sequence[torch.Tensor], *, as_use: bool = True
@@ -186,14 +207,14 @@ class RemoteTier(Tier):
         holds are left as they are. While the tier is down they are skipped and counted
         (``writes_skipped``). The caller keeps ``chunk.data``."""
         result = PutResult()
-        todo = []
-        for chunk in chunks:
-            if self.contains(chunk.ref):
-                result.already_present.append(chunk.key)
-                with self._lock:
-                    self._stats.duplicate_puts += 1
-            else:
-                todo.append(chunk)
+        try:
+            held = self._held([c.ref for c in chunks])
+        except Unavailable:
+            held = [False] * len(chunks)  # the write below is skipped and counted
+        todo = [c for c, h in zip(chunks, held, strict=True) if not h]
+        result.already_present.extend(c.key for c, h in zip(chunks, held, strict=True) if h)
+        with self._lock:
+            self._stats.duplicate_puts += len(chunks) - len(todo)
         encoded = [
             (c.ref, remote_format.encode(self.layout, c.ref, _bytes_of(c.data))) for c in todo
         ]
@@ -207,22 +228,8 @@ class RemoteTier(Tier):
         is dropped and counted (``writes_dropped``)."""
         if not isinstance(source, PoolTier):
             raise ValueError(f"write_behind: the source must be a memory pool, not {source.name}")
-        dropped = 0
-        with self._queue_cond:
-            if self._closing:
-                return
-            self._source = source
-            for ref in refs:
-                self._queue.append(ref)
-                if len(self._queue) > self.config.write_behind_chunks:
-                    self._queue.popleft()
-                    dropped += 1
-            if self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._write_loop, name="kvtier-remote-writer", daemon=True
-                )
-                self._writer.start()
-            self._queue_cond.notify_all()
+        self._source = source
+        dropped = self._queue.offer(refs)
         if dropped:
             with self._lock:
                 self._stats.writes_dropped += dropped
@@ -230,33 +237,25 @@ class RemoteTier(Tier):
     def sync(self) -> None:
         """Wait until the write-behind queue has drained (at most one timeout per waiting
         chunk)."""
-        with self._queue_cond:
-            waiting = len(self._queue) + self._writing
-            limit = self.config.timeout_s * (waiting + 1)
-            self._queue_cond.wait_for(lambda: not self._queue and not self._writing, limit)
+        self._queue.sync(self.config.timeout_s)
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._queue_cond:
-                self._queue_cond.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-                batch = [self._queue.popleft() for _ in range(min(_BATCH_CHUNKS, len(self._queue)))]
-                self._writing = len(batch)
-                source = self._source
-            try:
-                if source is not None:
-                    self._write_from(source, batch)
-            except Exception:  # a bug here must not stop the writes that follow
-                log.exception("remote tier: writing %d chunks failed", len(batch))
-            finally:
-                with self._queue_cond:
-                    self._writing = 0
-                    self._queue_cond.notify_all()
+    def _write_batch(self, refs: list[ChunkRef]) -> None:
+        if self._source is not None:
+            self._write_from(self._source, refs)
 
     def _write_from(self, source: PoolTier, refs: list[ChunkRef]) -> None:
         """Encode ``refs`` from ``source``'s slots while they are pinned (the value is a
-        copy: a slot reused after the unpin cannot change what is sent), then write them."""
+        copy: a slot reused after the unpin cannot change what is sent), then write them.
+        Chunks the store holds already (another instance wrote them) are not sent again."""
+        try:
+            held = self._held(refs)
+        except Unavailable:
+            with self._lock:
+                self._stats.writes_skipped += len(refs)
+            return
+        with self._lock:
+            self._stats.duplicate_puts += sum(held)
+        refs = [r for r, h in zip(refs, held, strict=True) if not h]
         pinned = source.pin(refs)
         try:
             values = []
@@ -365,13 +364,7 @@ class RemoteTier(Tier):
         """Drain the write-behind queue (bounded by the timeouts), stop the writer, close
         the client."""
         self.sync()
-        with self._queue_cond:
-            self._closing = True
-            self._queue.clear()
-            self._queue_cond.notify_all()
-            writer = self._writer
-        if writer is not None:
-            writer.join(timeout=self.config.timeout_s * (_BATCH_CHUNKS + 1))
+        self._queue.close(join_timeout_s=self.config.timeout_s * (_BATCH_CHUNKS + 1))
         self._guard.close()
         if self._client is not None:
             with contextlib.suppress(*store_errors()):

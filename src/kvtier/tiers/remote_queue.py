@@ -1,0 +1,97 @@
+"""The shared tier's write-behind queue (``kvtier.tiers.remote``): refs waiting to be
+written, drained in batches by one writer thread.
+
+``offer`` never blocks: past ``limit`` refs waiting, the oldest is dropped (the caller
+counts it). The writer thread starts with the first offer and calls ``write(batch)`` with
+up to ``batch_chunks`` refs at a time, oldest first; an exception there is logged and the
+writer goes on. ``sync`` waits for the queue to drain; ``close`` stops the writer.
+
+Thread-safety: every method is thread-safe (one condition guards the queue).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from kvtier.kv.chunk import ChunkRef
+
+log = logging.getLogger("kvtier.tiers.remote")
+
+
+class WriteBehindQueue:
+    """A bounded, drop-oldest queue of refs and the thread that writes them.
+
+    Args:
+        write: writes one batch (on the writer thread).
+        limit: refs that may wait at once.
+        batch_chunks: refs per ``write`` call at most.
+    """
+
+    def __init__(
+        self, write: Callable[[list[ChunkRef]], None], limit: int, batch_chunks: int
+    ) -> None:
+        self._write, self.limit, self.batch_chunks = write, limit, batch_chunks
+        self._queue: deque[ChunkRef] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._writer: threading.Thread | None = None
+        self._writing = 0  # refs taken by the writer, not yet written
+
+    def offer(self, refs: Iterable[ChunkRef]) -> int:
+        """Queue refs; how many waiting ones were dropped to stay within ``limit`` (all
+        of them once the queue is closed)."""
+        dropped = 0
+        with self._cond:
+            if self._closing:
+                return sum(1 for _ in refs)
+            for ref in refs:
+                self._queue.append(ref)
+                if len(self._queue) > self.limit:
+                    self._queue.popleft()
+                    dropped += 1
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._loop, name="kvtier-remote-writer", daemon=True
+                )
+                self._writer.start()
+            self._cond.notify_all()
+        return dropped
+
+    def sync(self, seconds_per_chunk: float) -> None:
+        """Wait until nothing waits or is being written, at most ``seconds_per_chunk``
+        for each ref waiting now (plus one)."""
+        with self._cond:
+            limit = seconds_per_chunk * (len(self._queue) + self._writing + 1)
+            self._cond.wait_for(lambda: not self._queue and not self._writing, limit)
+
+    def close(self, join_timeout_s: float) -> None:
+        """Drop what still waits and stop the writer (waiting at most ``join_timeout_s``
+        for the batch it is writing)."""
+        with self._cond:
+            self._closing = True
+            self._queue.clear()
+            self._cond.notify_all()
+            writer = self._writer
+        if writer is not None:
+            writer.join(timeout=join_timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                take = min(self.batch_chunks, len(self._queue))
+                batch = [self._queue.popleft() for _ in range(take)]
+                self._writing = len(batch)
+            try:
+                self._write(batch)
+            except Exception:  # a bug here must not stop the writes that follow
+                log.exception("remote tier: writing %d chunks failed", len(batch))
+            finally:
+                with self._cond:
+                    self._writing = 0
+                    self._cond.notify_all()
