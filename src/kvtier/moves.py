@@ -126,13 +126,11 @@ class Move:
         if self.target.contains(self.ref):
             return self.target.name
         staging = self.hop.staging
-        held = self.source.contains(self.ref)
-        if not self.source.get_into([self.ref], [staging], as_use=self.as_use)[0]:
-            if not held:
-                return "missing"
-            if self.on_corrupt is not None:
+        read = self.source.read(self.ref, staging, as_use=self.as_use)
+        if read != "ok":
+            if read == "corrupt" and self.on_corrupt is not None:
                 self.on_corrupt()
-            return "corrupt"
+            return read
         try:
             self.target.put([Chunk(self.ref, staging)])
         except TierFullError as exc:  # every slot pinned: its user recomputes it

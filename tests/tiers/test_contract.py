@@ -41,6 +41,17 @@ def test_miss_and_token_mismatch_leave_buffer_untouched(
     assert tier.stats().collisions >= 1
 
 
+def test_read_says_why_a_chunk_missed(tier_factory: TierFactory, layout: KVLayout) -> None:
+    tier = tier_factory(2)
+    held, never = make_chunks(layout, 2)
+    tier.put([held])
+    out = layout.empty_chunk()
+    assert tier.read(held.ref, out) == "ok" and torch.equal(out, held.data)
+    assert tier.read(never.ref, out) == "missing"
+    assert tier.read(ChunkRef(held.key, (7,) * layout.chunk_tokens), out) == "missing"
+    assert torch.equal(out, held.data)  # misses leave the buffer as it was
+
+
 def test_duplicate_put_is_a_no_op(tier_factory: TierFactory, layout: KVLayout) -> None:
     tier = tier_factory(2)
     (chunk,) = make_chunks(layout, 1)

@@ -54,6 +54,10 @@ def test_corrupt_and_truncated_values_are_dropped_and_never_served(
     assert torch.equal(outs[2], c.data)
     assert tier.stats().corrupt_dropped == 3
     assert tier.client.exists(tier.key(a), tier.key(b), tier.key(d)) == 0  # deleted
+    tier.client.set(tier.key(c), raw)  # a's intact value under c's key: another chunk's
+    assert tier.read(c.ref, outs[2]) == "missing" and tier.stats().collisions == 1
+    tier.client.set(tier.key(a), bytes(flipped))
+    assert tier.read(a.ref, outs[0]) == "corrupt" and tier.stats().corrupt_dropped == 4
     tier.close()
 
 

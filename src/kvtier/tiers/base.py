@@ -327,6 +327,13 @@ class Tier(ABC):
             found.append(ok)
         return found
 
+    def read(self, ref: ChunkRef, out: torch.Tensor, *, as_use: bool = True) -> str:
+        """``get_into`` of one chunk that says why it missed: ``"ok"``; ``"missing"`` (not
+        held, or other token ids); ``"corrupt"`` (held, failed its checks, dropped)."""
+        held = self.contains(ref)
+        ok = self.get_into([ref], [out], as_use=as_use)[0]
+        return "ok" if ok else "corrupt" if held else "missing"
+
     def remove(self, refs: Iterable[ChunkRef]) -> int:
         """Drop unpinned chunks; returns how many were dropped (pinned ones stay)."""
         dropped = 0

@@ -165,40 +165,43 @@ class RemoteTier(Tier):
         the tier is down every read is a miss. Blocks for the reads."""
         if len(refs) != len(outs):
             raise ValueError(f"get_into: {len(refs)} refs but {len(outs)} output buffers")
-        found = []
-        for ref, out in zip(refs, outs, strict=True):
-            start = time.perf_counter()
-            key, nbytes = self.key(ref), remote_format.value_nbytes(self.layout, ref)
-            buffer = self._buffers.take(nbytes + 1)
-            try:
-                filled = self._call(functools.partial(read_value, self.client, key, nbytes, buffer))
-            except Unavailable:
-                filled = -1  # given up on: the read may still write into its buffer
-            status, data = (
-                remote_format.decode(self.layout, ref, buffer.data[:filled])
-                if filled > 0
-                else ("missing", None)
-            )
-            if data is not None:
-                out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(data, np.uint8)
-            if filled >= 0:
-                self._buffers.give(buffer)
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                ok = status == "ok"
-                self._stats.collisions += status == "other"
-                self._stats.corrupt_dropped += status == "corrupt"
-                self._stats.hits += ok and as_use
-                self._stats.misses += (not ok) and as_use
-                if ok and as_use:
-                    self._stats.bytes_out += self.chunk_nbytes
-                    self._stats.get_seconds += elapsed
-                if ok and key in self._owned:
-                    self._owned.move_to_end(key)
-            if status == "corrupt":
-                self.remove([ref])
-            found.append(status == "ok")
-        return found
+        return [self.read(r, o, as_use=as_use) == "ok" for r, o in zip(refs, outs, strict=True)]
+
+    def read(self, ref: ChunkRef, out: torch.Tensor, *, as_use: bool = True) -> str:
+        """One chunk into ``out`` (see ``get_into``): ``"ok"``, ``"missing"`` (no such key,
+        another chunk's value, or the tier is down) or ``"corrupt"`` (deleted). One read
+        of the store: the header is checked with the rest."""
+        start = time.perf_counter()
+        key, nbytes = self.key(ref), remote_format.value_nbytes(self.layout, ref)
+        buffer = self._buffers.take(nbytes + 1)
+        try:
+            filled = self._call(functools.partial(read_value, self.client, key, nbytes, buffer))
+        except Unavailable:
+            filled = -1  # given up on: the read may still write into its buffer
+        status, data = (
+            remote_format.decode(self.layout, ref, buffer.data[:filled])
+            if filled > 0
+            else ("missing", None)
+        )
+        if data is not None:
+            out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(data, np.uint8)
+        if filled >= 0:
+            self._buffers.give(buffer)
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            ok = status == "ok"
+            self._stats.collisions += status == "other"
+            self._stats.corrupt_dropped += status == "corrupt"
+            self._stats.hits += ok and as_use
+            self._stats.misses += (not ok) and as_use
+            if ok and as_use:
+                self._stats.bytes_out += self.chunk_nbytes
+                self._stats.get_seconds += elapsed
+            if ok and key in self._owned:
+                self._owned.move_to_end(key)
+        if status == "corrupt":
+            self.remove([ref])
+        return "missing" if status == "other" else status
 
     # ---- writes ------------------------------------------------------------------------
 
