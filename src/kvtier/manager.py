@@ -110,7 +110,7 @@ class KVManager:
             raise
         self._write_behind = [t for t in self.tiers[1:] if t.takes_write_behind]
         self._promotions = Promotions(
-            self.host, self.hops, self._level, self._track, lambda: self.count_recompute("corrupt")
+            self.host, self.hops, self._levels, self._track, lambda: self.count_recompute("corrupt")
         )
         self._lookups = 0
         self._lookup_tokens = 0
@@ -144,22 +144,26 @@ class KVManager:
                 return t
         raise KeyError(f"no tier {name!r}; configured: {[t.name for t in self.tiers]}")
 
-    def _level(self, ref: ChunkRef) -> int | None:
-        """Index of the fastest tier holding ``ref`` (a queued write-back counts as held
-        by the tier it goes to), or None."""
-        if self.tiers[0].contains(ref):
-            return 0
+    def _levels(self, refs: Sequence[ChunkRef]) -> list[int | None]:
+        """Index of the fastest tier holding each ref (a queued write-back counts as held
+        by the tier it goes to), or None. Each tier is asked once for the refs the ones
+        above it lack (``contains_many``: one round trip to the shared tier)."""
+        levels: list[int | None] = [0 if self.tiers[0].contains(r) else None for r in refs]
         for i, hop in enumerate(self.hops):
-            if hop.holds(ref):
-                return i + 1
-        return None
+            todo = [j for j, level in enumerate(levels) if level is None]
+            if not todo:
+                break
+            for j, held in zip(todo, hop.holds_many([refs[j] for j in todo]), strict=True):
+                if held:
+                    levels[j] = i + 1
+        return levels
 
     def locate(self, ref: ChunkRef) -> Tier | None:
         """The fastest tier holding ``ref`` with matching token ids, or None.
 
         A chunk whose write-back to a tier is queued counts as held by that tier.
         """
-        level = self._level(ref)
+        (level,) = self._levels([ref])
         return None if level is None else self.tiers[level]
 
     # ---- keys and lookup ------------------------------------------------------------------
@@ -181,12 +185,12 @@ class KVManager:
         """
         refs: list[ChunkRef] = []
         names: list[str] = []
-        for ref in self.refs_for(token_ids, salt):
-            where = self.locate(ref)
-            if where is None:
+        every = self.refs_for(token_ids, salt)
+        for ref, level in zip(every, self._levels(every), strict=True):
+            if level is None:
                 break
             refs.append(ref)
-            names.append(where.name)
+            names.append(self.tiers[level].name)
         hit_tokens = len(refs) * self.layout.chunk_tokens
         with self._lock:
             self._lookups += 1

@@ -12,7 +12,7 @@ that takes no writes, or whose slots are all pinned, just does not take the chun
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +48,14 @@ class Hop:
     def holds(self, ref: ChunkRef) -> bool:
         """True if ``lower`` holds ``ref`` or it is queued to be written there."""
         return self.queue.holds(ref) or self.lower.contains(ref)
+
+    def holds_many(self, refs: Sequence[ChunkRef]) -> list[bool]:
+        """``holds`` of each ref, asking ``lower`` once for those not queued."""
+        queued = [self.queue.holds(r) for r in refs]
+        asked = iter(
+            self.lower.contains_many([r for r, q in zip(refs, queued, strict=True) if not q])
+        )
+        return [q or next(asked) for q in queued]
 
     @property
     def staging(self) -> torch.Tensor:

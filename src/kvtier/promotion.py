@@ -29,7 +29,7 @@ class Promotions:
     Args:
         host: the tier promotions land in.
         hops: the stack's hops, top first (hop ``i`` joins tier ``i`` and ``i + 1``).
-        level: where a chunk is (the index of the fastest tier holding it, or None).
+        levels: where each chunk is (the index of the fastest tier holding it, or None).
         track: registers a submitted transfer with its owner (waited for at flush).
         on_corrupt: called once for each chunk found corrupt where it was held.
     """
@@ -38,12 +38,12 @@ class Promotions:
         self,
         host: Tier,
         hops: Sequence[Hop],
-        level: Callable[[ChunkRef], int | None],
+        levels: Callable[[Sequence[ChunkRef]], list[int | None]],
         track: Callable[[TransferHandle], TransferHandle],
         on_corrupt: Callable[[], None],
     ) -> None:
         self.host, self.hops = host, hops
-        self._level, self._track, self._on_corrupt = level, track, on_corrupt
+        self._levels, self._track, self._on_corrupt = levels, track, on_corrupt
         self._lock = threading.Lock()
         self._prefetching: dict[ChunkKey, TransferHandle] = {}  # prefetches in flight
 
@@ -54,8 +54,7 @@ class Promotions:
         runs them (the one just above the tier holding the chunk); each tells
         ``outcomes[i]`` where chunk ``i`` stands when it has run (None: nobody asks)."""
         by_hop: dict[int, list[CopyStep]] = {}
-        for i, ref in enumerate(refs):
-            level = self._level(ref)
+        for i, (ref, level) in enumerate(zip(refs, self._levels(refs), strict=True)):
             if level is None or level == 0:
                 continue
             hop = self.hops[level - 1]

@@ -25,13 +25,7 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
 from kvtier.tiers.index import ChunkIndex
-from kvtier.tiers.types import (
-    ChunkLostError,
-    EvictHook,
-    PutResult,
-    TierFullError,
-    TierStats,
-)
+from kvtier.tiers.types import ChunkLostError, EvictHook, PutResult, TierFullError, TierStats
 
 __all__ = ["ChunkLostError", "EvictHook", "PutResult", "Tier", "TierFullError", "TierStats"]
 
@@ -216,6 +210,10 @@ class Tier(ABC):
         """True if the chunk is held with exactly these token ids. Does not count as use."""
         with self._lock:
             return self._index.contains(ref)
+
+    def contains_many(self, refs: Sequence[ChunkRef]) -> list[bool]:
+        """``contains`` of each ref (the shared tier asks for them all in one round trip)."""
+        return [self.contains(r) for r in refs]
 
     def pin(self, refs: Iterable[ChunkRef]) -> list[bool]:
         """Pin chunks so eviction skips them; False for each chunk not held. Pins nest."""

@@ -129,29 +129,32 @@ class RemoteTier(Tier):
     def contains(self, ref: ChunkRef) -> bool:
         """True if the store holds ``ref``'s chunk with these token ids (reads its header;
         False while the tier is down). Does not count as use."""
-        header_nbytes = remote_format.header_nbytes(ref)
-        try:
-            head = self._call(lambda: self.client.getrange(self.key(ref), 0, header_nbytes - 1))
-        except Unavailable:
-            return False
-        return bool(head) and remote_format.names(self.layout, ref, head)
+        return self.contains_many([ref])[0]
 
-    def _held(self, refs: Sequence[ChunkRef]) -> list[bool]:
+    def contains_many(self, refs: Sequence[ChunkRef]) -> list[bool]:
+        """``contains`` of each ref, in one pipelined call (all False while it is down)."""
+        try:
+            return self._held(refs, renew=False)
+        except Unavailable:
+            return [False] * len(refs)
+
+    def _held(self, refs: Sequence[ChunkRef], renew: bool = True) -> list[bool]:
         """Whether the store holds each chunk with these token ids: every header read in
-        one pipelined call. With a TTL, the keys held live one TTL more from now (they are
-        in use). Raises ``Unavailable`` while the tier is down."""
+        one pipelined call. With a TTL and ``renew``, the keys held live one TTL more from
+        now (they are in use). Raises ``Unavailable`` while the tier is down."""
+        renew = renew and self._ttl_ms is not None
 
         def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for ref in refs:
                 key = self.key(ref)
                 pipe.getrange(key, 0, remote_format.header_nbytes(ref) - 1)
-                if self._ttl_ms is not None:
+                if renew:
                     pipe.pexpire(key, self._ttl_ms)
             return list(pipe.execute())
 
         replies = self._call(read) if refs else []
-        heads = replies[:: 1 if self._ttl_ms is None else 2]
+        heads = replies[:: 2 if renew else 1]
         return [
             bool(h) and remote_format.names(self.layout, r, h)
             for r, h in zip(refs, heads, strict=True)
