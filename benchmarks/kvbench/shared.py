@@ -111,7 +111,9 @@ def run(context: int, rounds: int, threads: int, seed: int) -> dict[str, Any]:
             p = [rng.randrange(10, 49000) for _ in range(context)]
             q = [rng.randrange(10, 49000) for _ in range(context)]
             first = stream_one(a.port, p)
-            written_s = wait_for_chunks(cluster, (i + 1) * (context // chunk_tokens))
+            # The cluster then holds P's chunks of every round so far and Q's of the rounds
+            # before (B writes those behind too).
+            written_s = wait_for_chunks(cluster, (2 * i + 1) * (context // chunk_tokens))
             again = stream_one(b.port, p)
             fresh = stream_one(b.port, q)
             rounds_out.append({"a": first, "b_same": again, "b_fresh": fresh, "write_s": written_s})
