@@ -52,8 +52,10 @@ class Promotions:
     ) -> dict[int, list[CopyStep]]:
         """Moves into host for every ref held below it, grouped by the hop whose link
         runs them (the one just above the tier holding the chunk); each tells
-        ``outcomes[i]`` where chunk ``i`` stands when it has run (None: nobody asks)."""
+        ``outcomes[i]`` where chunk ``i`` stands when it has run (None: nobody asks).
+        Each lower tier is told the order its chunks will be read in (``read_ahead``)."""
         by_hop: dict[int, list[CopyStep]] = {}
+        order: dict[int, list[ChunkRef]] = {}
         for i, (ref, level) in enumerate(zip(refs, self._levels(refs), strict=True)):
             if level is None or level == 0:
                 continue
@@ -64,6 +66,9 @@ class Promotions:
             )
             step = CopyStep(hop.layout.chunk_nbytes, range(0), move, skip=move.landed)
             by_hop.setdefault(level - 1, []).append(step)
+            order.setdefault(level - 1, []).append(ref)
+        for index, planned in order.items():
+            self.hops[index].lower.read_ahead(planned)
         return by_hop
 
     def prefetch(

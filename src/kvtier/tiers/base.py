@@ -62,9 +62,7 @@ class Tier(ABC):
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{name}.capacity_bytes: must be >= 0, got {capacity_bytes}")
-        self.name = name
-        self.layout = layout
-        self.capacity_bytes = int(capacity_bytes)
+        self.name, self.layout, self.capacity_bytes = name, layout, int(capacity_bytes)
         self.num_slots = self.capacity_bytes // layout.chunk_nbytes
         self._lock = threading.RLock()
         self._stats = TierStats()
@@ -214,6 +212,10 @@ class Tier(ABC):
     def contains_many(self, refs: Sequence[ChunkRef]) -> list[bool]:
         """``contains`` of each ref (the shared tier asks for them all in one round trip)."""
         return [self.contains(r) for r in refs]
+
+    def read_ahead(self, refs: Sequence[ChunkRef]) -> None:
+        """Hint: these chunks are read next, in this order (the shared tier starts some)."""
+        return None
 
     def pin(self, refs: Iterable[ChunkRef]) -> list[bool]:
         """Pin chunks so eviction skips them; False for each chunk not held. Pins nest."""

@@ -12,7 +12,7 @@ is found here.
   deleted, counted (``corrupt_dropped``) and read as a miss.
 - **Writes** are write-behind: ``write_behind`` queues refs of chunks host stored (never
   blocking; a full queue drops its oldest and counts it in ``writes_dropped``); one writer
-  thread (``remote_queue``) first asks the store which of a batch it holds (their headers,
+  thread (``remote_writes``) first asks the store which of a batch it holds (their headers,
   in one pipeline; a held key's TTL is renewed), then reads the others from host (pinned
   while they are encoded) and pipelines their ``SET``\\ s with the TTL. ``put`` (a move
   down the stack) writes at once, also skipping what the store holds. Chunks another
@@ -44,11 +44,9 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtier.config import RemoteConfig
@@ -58,13 +56,14 @@ from kvtier.tiers import remote_format
 from kvtier.tiers.base import Tier
 from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.remote_client import Guard, Unavailable, connect, store_errors
-from kvtier.tiers.remote_queue import WriteBehindQueue
-from kvtier.tiers.remote_wire import ReadBuffers, read_value
+from kvtier.tiers.remote_reads import ValueReader
+from kvtier.tiers.remote_writes import OwnedValues, WriteBehindQueue
 from kvtier.tiers.types import PutResult
 
 log = logging.getLogger(__name__)
 
 _BATCH_CHUNKS = 8  # SETs per pipeline of the writer
+_READ_AHEAD = 2  # chunk reads running ahead of a promotion (remote_reads)
 
 
 class RemoteTier(Tier):
@@ -95,9 +94,8 @@ class RemoteTier(Tier):
         self._queue = WriteBehindQueue(self._write_batch, config.write_behind_chunks, _BATCH_CHUNKS)
         # The values this instance wrote, least recently used first: key -> value bytes
         # (under self._lock; the size cap deletes from the front).
-        self._owned: OrderedDict[str, int] = OrderedDict()
-        self._owned_bytes = 0
-        self._buffers = ReadBuffers()
+        self._owned = OwnedValues(config.capacity_bytes)
+        self._reader = ValueReader(layout, self.key, lambda: self.client, self._guard, _READ_AHEAD)
         with contextlib.suppress(Unavailable):  # connect now: one clear line if it cannot
             self._call(lambda: self.client.ping())
 
@@ -170,26 +168,18 @@ class RemoteTier(Tier):
             raise ValueError(f"get_into: {len(refs)} refs but {len(outs)} output buffers")
         return [self.read(r, o, as_use=as_use) == "ok" for r, o in zip(refs, outs, strict=True)]
 
+    def read_ahead(self, refs: Sequence[ChunkRef]) -> None:
+        """Hint: these chunks are read next, in this order; the first few start now
+        (``remote_reads``)."""
+        self._reader.plan(refs)
+
     def read(self, ref: ChunkRef, out: torch.Tensor, *, as_use: bool = True) -> str:
         """One chunk into ``out`` (see ``get_into``): ``"ok"``, ``"missing"`` (no such key,
         another chunk's value, or the tier is down) or ``"corrupt"`` (deleted). One read
         of the store: the header is checked with the rest."""
         start = time.perf_counter()
-        key, nbytes = self.key(ref), remote_format.value_nbytes(self.layout, ref)
-        buffer = self._buffers.take(nbytes + 1)
-        try:
-            filled = self._call(functools.partial(read_value, self.client, key, nbytes, buffer))
-        except Unavailable:
-            filled = -1  # given up on: the read may still write into its buffer
-        status, data = (
-            remote_format.decode(self.layout, ref, buffer.data[:filled])
-            if filled > 0
-            else ("missing", None)
-        )
-        if data is not None:
-            out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(data, np.uint8)
-        if filled >= 0:
-            self._buffers.give(buffer)
+        key = self.key(ref)
+        status = self._reader.read(ref, out)
         elapsed = time.perf_counter() - start
         with self._lock:
             ok = status == "ok"
@@ -200,8 +190,8 @@ class RemoteTier(Tier):
             if ok and as_use:
                 self._stats.bytes_out += self.chunk_nbytes
                 self._stats.get_seconds += elapsed
-            if ok and key in self._owned:
-                self._owned.move_to_end(key)
+            if ok:
+                self._owned.touch(key)
         if status == "corrupt":
             self.remove([ref])
         return "missing" if status == "other" else status
@@ -299,15 +289,7 @@ class RemoteTier(Tier):
             self._stats.puts += len(values)
             self._stats.bytes_in += len(values) * self.chunk_nbytes
             self._stats.put_seconds += time.perf_counter() - start
-            for ref, value in values:
-                key = self.key(ref)
-                self._owned_bytes += len(value) - self._owned.pop(key, 0)
-                self._owned[key] = len(value)
-            victims = []
-            while self._owned_bytes > self.capacity_bytes and len(self._owned) > 1:
-                key, nbytes = self._owned.popitem(last=False)
-                self._owned_bytes -= nbytes
-                victims.append(key)
+            victims = self._owned.record([(self.key(r), len(v)) for r, v in values])
             self._stats.evictions += len(victims)
         if victims:
             self._delete(victims)
@@ -318,7 +300,7 @@ class RemoteTier(Tier):
         the store held (0 while it is down)."""
         with self._lock:
             for key in keys:
-                self._owned_bytes -= self._owned.pop(key, 0)
+                self._owned.forget(key)
         try:
             return int(sum(self._call(functools.partial(self.client.delete, k)) for k in keys))
         except Unavailable:
@@ -352,7 +334,7 @@ class RemoteTier(Tier):
         """Bytes of the values this instance wrote and still holds in the store (its share,
         which ``capacity_bytes`` caps; the whole store's is in its ``INFO memory``)."""
         with self._lock:
-            return self._owned_bytes
+            return self._owned.nbytes
 
     def __len__(self) -> int:
         """Chunks of this layout under the prefix, every instance's (a ``SCAN`` of the
@@ -370,6 +352,7 @@ class RemoteTier(Tier):
         """Drain the write-behind queue (bounded by the timeouts), stop the writer, close
         the client."""
         self.sync()
+        self._reader.clear()
         self._queue.close(join_timeout_s=self.config.timeout_s * (_BATCH_CHUNKS + 1))
         self._guard.close()
         if self._client is not None:

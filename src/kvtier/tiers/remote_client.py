@@ -10,9 +10,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlparse
 
 from kvtier.config import RemoteConfig
@@ -141,8 +141,8 @@ class Guard:
             self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _run(self, fn: Callable[[], T]) -> T:
-        """``fn`` on the pool, waited for at most ``timeout_s``."""
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
+        """``fn`` on the pool (raises ``TimeoutError`` when closed or every worker waits)."""
         with self._lock:
             if self._closed:
                 raise TimeoutError("the tier is closed")
@@ -157,11 +157,7 @@ class Guard:
                 with self._lock:
                     self._running -= 1
 
-        future = self._pool.submit(tracked)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise TimeoutError(f"no answer within {self.timeout_s:.2f} s") from None
+        return self._pool.submit(tracked)
 
     @property
     def available(self) -> bool:
@@ -170,28 +166,49 @@ class Guard:
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run one call; raises ``Unavailable`` (at once while the store is down)."""
+        return self.wait(self.start(fn))
+
+    def start(self, fn: Callable[[], T]) -> Future[T]:
+        """Start one call on the pool without waiting (``wait`` gets its result); raises
+        ``Unavailable`` at once while the store is down."""
         if time.monotonic() < self._down_until:
             raise Unavailable("the shared tier is down")
         try:
-            result = self._run(fn)
+            return self._submit(fn)
+        except TimeoutError as exc:
+            self._failed(exc)
+
+    def wait(self, future: Future[T]) -> T:
+        """The result of a call ``start`` began, waited for at most ``timeout_s`` from now;
+        raises ``Unavailable`` (and marks the store down) if it failed or did not answer."""
+        try:
+            try:
+                result = future.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                raise TimeoutError(f"no answer within {self.timeout_s:.2f} s") from None
         except self._errors as exc:
-            self.on_error()
-            with self._lock:
-                self._down_until = time.monotonic() + self.retry_after_s
-                first, self._down = not self._down, True
-            if first:
-                log.warning(
-                    "remote tier %s: %s: %s; its chunks are recomputed until it answers "
-                    "again (retrying every %.1f s)",
-                    self.url,
-                    type(exc).__name__,
-                    exc,
-                    self.retry_after_s,
-                )
-            raise Unavailable(str(exc)) from exc
+            self._failed(exc)
         if self._down:
             with self._lock:
                 back, self._down = self._down, False
             if back:
                 log.warning("remote tier %s: answering again", self.url)
         return result
+
+    def _failed(self, exc: BaseException) -> NoReturn:
+        """Count a failed call, mark the store down (one warning when it goes down) and
+        raise ``Unavailable``."""
+        self.on_error()
+        with self._lock:
+            self._down_until = time.monotonic() + self.retry_after_s
+            first, self._down = not self._down, True
+        if first:
+            log.warning(
+                "remote tier %s: %s: %s; its chunks are recomputed until it answers "
+                "again (retrying every %.1f s)",
+                self.url,
+                type(exc).__name__,
+                exc,
+                self.retry_after_s,
+            )
+        raise Unavailable(str(exc)) from exc

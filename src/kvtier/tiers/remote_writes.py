@@ -1,19 +1,24 @@
-"""The shared tier's write-behind queue (``kvtier.tiers.remote``): refs waiting to be
-written, drained in batches by one writer thread.
+"""What the shared tier's writes need (``kvtier.tiers.remote``): the write-behind queue,
+and this instance's share of the store that the size cap bounds.
 
+``WriteBehindQueue``: refs waiting to be written, drained in batches by one writer thread.
 ``offer`` never blocks: past ``limit`` refs waiting, the oldest is dropped (the caller
 counts it). The writer thread starts with the first offer and calls ``write(batch)`` with
 up to ``batch_chunks`` refs at a time, oldest first; an exception there is logged and the
 writer goes on. ``sync`` waits for the queue to drain; ``close`` stops the writer.
 
-Thread-safety: every method is thread-safe (one condition guards the queue).
+``OwnedValues``: the values this instance wrote, least recently used first, and their
+bytes; past the cap, the oldest are the victims.
+
+Thread-safety: ``WriteBehindQueue`` is thread-safe (one condition guards the queue);
+``OwnedValues`` is not (the tier calls it under its lock).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from kvtier.kv.chunk import ChunkRef
@@ -95,3 +100,40 @@ class WriteBehindQueue:
                 with self._cond:
                     self._writing = 0
                     self._cond.notify_all()
+
+
+class OwnedValues:
+    """The keys of the values this instance wrote and still holds in the store, least
+    recently used first, with their bytes (``nbytes``: their sum).
+
+    Args:
+        capacity_bytes: the most they may hold; past it ``record`` names victims.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.nbytes = 0
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+
+    def record(self, written: list[tuple[str, int]]) -> list[str]:
+        """Note values written (key, bytes) as the most recent; the least recently used
+        keys to delete to stay within the cap (forgotten here already). The newest one
+        always stays."""
+        for key, nbytes in written:
+            self.nbytes += nbytes - self._sizes.pop(key, 0)
+            self._sizes[key] = nbytes
+        victims = []
+        while self.nbytes > self.capacity_bytes and len(self._sizes) > 1:
+            key, nbytes = self._sizes.popitem(last=False)
+            self.nbytes -= nbytes
+            victims.append(key)
+        return victims
+
+    def touch(self, key: str) -> None:
+        """A read of ``key``: it becomes the most recently used (if this instance owns it)."""
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+
+    def forget(self, key: str) -> None:
+        """``key`` is deleted from the store."""
+        self.nbytes -= self._sizes.pop(key, 0)
