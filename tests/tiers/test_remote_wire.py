@@ -100,11 +100,15 @@ def test_a_buffer_too_small_is_refused(client: ClusterClient) -> None:
         read_value(client, _key(), 10, np.empty(10, np.uint8))
 
 
-def test_buffers_of_one_size_are_reused() -> None:
+def test_buffers_are_reused_and_cut_to_the_size_asked() -> None:
     buffers = ReadBuffers(keep=1)
+    buffers.reserve(100, 3)  # only `keep` are kept
     first = buffers.take(100)
+    assert first.nbytes == 100 and np.all(first == 0)
     buffers.give(first)
-    assert buffers.take(100) is first
-    assert buffers.take(100) is not first  # lent out: a new one
-    buffers.give(first)
-    assert buffers.take(50).nbytes == 50  # another size: a new one
+    part = buffers.take(40)  # a smaller read (a partial chunk) reuses it, cut to 40
+    assert part.nbytes == 40 and part.base is first.base
+    assert buffers.take(40) is not part  # lent out: a new one
+    buffers.give(part)
+    assert buffers.take(100).nbytes == 100  # the whole buffer came back
+    assert buffers.take(200).nbytes == 200  # larger than any idle one: a new one

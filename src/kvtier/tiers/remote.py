@@ -55,7 +55,7 @@ from kvtier.kv.layout import KVLayout
 from kvtier.tiers import remote_format
 from kvtier.tiers.base import Tier
 from kvtier.tiers.pool import PoolTier
-from kvtier.tiers.remote_client import Guard, Unavailable, connect, store_errors
+from kvtier.tiers.remote_client import Guard, Unavailable, connect, ping_every_node, store_errors
 from kvtier.tiers.remote_reads import ValueReader
 from kvtier.tiers.remote_writes import OwnedValues, WriteBehindQueue
 from kvtier.tiers.types import PutResult
@@ -97,7 +97,7 @@ class RemoteTier(Tier):
         self._owned = OwnedValues(config.capacity_bytes)
         self._reader = ValueReader(layout, self.key, lambda: self.client, self._guard, _READ_AHEAD)
         with contextlib.suppress(Unavailable):  # connect now: one clear line if it cannot
-            self._call(lambda: self.client.ping())
+            self._call(lambda: ping_every_node(self.client))
 
     @property
     def client(self) -> Any:

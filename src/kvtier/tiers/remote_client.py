@@ -69,6 +69,15 @@ def connect(config: RemoteConfig) -> Any:
     return redis.Redis.from_url(urls[0], retry=Retry(NoBackoff(), 0), **options)
 
 
+def ping_every_node(client: Any) -> None:
+    """``PING`` every primary of a cluster (the one server otherwise): each gets its first
+    connection now rather than in a request."""
+    if hasattr(client, "get_primaries"):
+        client.ping(target_nodes=client.PRIMARIES)
+    else:
+        client.ping()
+
+
 def node_urls(url: str) -> list[str]:
     """One URL per node of ``redis://[auth@]host:port,host:port,…[/db]`` (a cluster's
     startup nodes: any one that answers leads the client to the others)."""

@@ -54,6 +54,15 @@ def encode(layout: KVLayout, ref: ChunkRef, data: memoryview) -> bytes:
     return b"".join((header, data, _CHECKSUM.pack(hasher.intdigest())))
 
 
+MAX_KEY_NBYTES = 64  # a chunk key is a blake2b digest (kvtier.kv.keys)
+
+
+def max_value_nbytes(layout: KVLayout) -> int:
+    """The length of the longest intact value of ``layout``: a whole chunk's, with the
+    longest key."""
+    return _FIXED.size + MAX_KEY_NBYTES + 8 * layout.chunk_tokens + layout.chunk_nbytes + 8
+
+
 def value_nbytes(layout: KVLayout, ref: ChunkRef) -> int:
     """The length of an intact value of ``ref``'s chunk."""
     return header_nbytes(ref) + layout.chunk_nbytes + _CHECKSUM.size

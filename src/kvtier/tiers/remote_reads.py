@@ -151,6 +151,8 @@ class ValueReader:
     ) -> None:
         self.layout, self._key_of, self._client, self._guard = layout, key_of, client, guard
         self._buffers = ReadBuffers(keep=depth + 2)
+        # Touched now, so no request pays the first touch of its read buffers.
+        self._buffers.reserve(remote_format.max_value_nbytes(layout) + 1, depth + 1)
         self._ahead = ReadAhead(self._start, self._nbytes, self._buffers, depth)
 
     def plan(self, refs: Sequence[ChunkRef]) -> None:

@@ -38,28 +38,38 @@ class WireError(Exception):
 
 
 class ReadBuffers:
-    """Buffers of one size lent to reads and given back, so a chunk's read does not touch
-    fresh pages (~3.5 ms a chunk). Holds at most ``keep`` idle ones. Thread-safe."""
+    """Buffers lent to reads and given back, so a chunk's read does not touch fresh pages
+    (~3.5 ms a chunk). ``take(n)`` lends the smallest idle buffer of at least ``n`` bytes,
+    cut to ``n``; at most ``keep`` idle ones are kept. Thread-safe."""
 
     def __init__(self, keep: int = 4) -> None:
         self._keep = keep
         self._lock = threading.Lock()
         self._idle: list[np.ndarray] = []
 
+    def reserve(self, nbytes: int, count: int) -> None:
+        """Allocate and touch ``count`` idle buffers of ``nbytes`` now (at start)."""
+        for _ in range(min(count, self._keep)):
+            buffer = np.empty(nbytes, np.uint8)
+            buffer.fill(0)  # written, so its pages are faulted in
+            self.give(buffer)
+
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer of ``nbytes`` (uninitialised: only what a read wrote is shown)."""
         with self._lock:
-            while self._idle:
-                buffer = self._idle.pop()
-                if buffer.nbytes == nbytes:
-                    return buffer
+            fits = [i for i, b in enumerate(self._idle) if b.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda i: self._idle[i].nbytes)
+                return self._idle.pop(best)[:nbytes]
         return np.empty(nbytes, np.uint8)
 
     def give(self, buffer: np.ndarray) -> None:
         """Take back a buffer ``take`` lent; its holder must not use it any more."""
+        whole = buffer if buffer.base is None else buffer.base
+        assert isinstance(whole, np.ndarray)
         with self._lock:
             if len(self._idle) < self._keep:
-                self._idle.append(buffer)
+                self._idle.append(whole)
 
 
 def read_value(client: Any, key: str, nbytes: int, buffer: np.ndarray) -> int:
