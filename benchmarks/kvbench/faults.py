@@ -31,7 +31,7 @@ Scenarios (each on its own key prefix of one real 3-master, 3-replica cluster):
 Summary keys: ``lost_requests`` (requests that did not complete), ``wrong_outputs`` (tokens
 different from the fault-free run's), ``recovered_after_cluster_restart``,
 ``worst_added_latency_down_s`` and ``timeout_s``. The tests
-(``tests/faults/test_remote_faults.py``) run the same scenarios on a tiny random model.
+(``tests/faults/test_bench_faults.py``) run the same scenarios on a tiny random model.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The shared tier's faults on a real Redis Cluster of their own (a master killed, the
-whole cluster down and back, corrupt and truncated values) and the disk's (corrupt files,
-a filesystem that fills, one read-only at start): no
-request is lost, every output equals the fault-free run's, the tier recovers. The
-scenarios are ``kvtier bench faults``'s, here on the tiny random model."""
+"""``kvtier bench faults``'s scenarios, here on the tiny random model: the shared tier's
+on a real Redis Cluster of their own (a master killed, the whole cluster down and back or
+paused, corrupt and truncated values) and the disk's (corrupt files, a filesystem that
+fills, one read-only at start). No request is lost, every output equals the fault-free
+run's, the tier recovers. The disk's need no Redis."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvbench.redis_cluster import RedisCluster, available
 from kvtier.engine import EngineConfig
 from tests.engine.tiny import CHUNK, engine_config
 
-pytestmark = pytest.mark.skipif(available() is not None, reason=f"no Redis: {available()}")
+needs_redis = pytest.mark.skipif(available() is not None, reason=f"no Redis: {available()}")
 
 PROMPTS = [list(range(1000 + 97 * i, 1000 + 97 * i + 5 * CHUNK + 3)) for i in range(3)]
 
@@ -39,12 +39,14 @@ def bench(model: Any, tokenizer: Any) -> Bench:
     return made
 
 
+@needs_redis
 def test_a_master_killed_mid_run_loses_nothing(bench: Bench, cluster: RedisCluster) -> None:
     result = master_killed(bench, cluster)
     assert (result["lost"], result["wrong"]) == (0, 0)
     assert result["reused_after_failover"] > 0  # the promoted replicas serve the chunks
 
 
+@needs_redis
 def test_the_whole_cluster_down_falls_back_to_recompute_and_recovers(
     bench: Bench, cluster: RedisCluster
 ) -> None:
@@ -55,6 +57,7 @@ def test_the_whole_cluster_down_falls_back_to_recompute_and_recovers(
     assert result["worst_added_latency_s"] <= bench.timeout_s + 0.5
 
 
+@needs_redis
 def test_corrupt_and_truncated_values_are_never_served(bench: Bench, cluster: RedisCluster) -> None:
     result = corrupt_values(bench, cluster)
     assert (result["lost"], result["wrong"]) == (0, 0)
@@ -77,6 +80,7 @@ def test_a_disk_that_fills_or_is_read_only_loses_nothing(bench: Bench, tmp_path:
     assert read_only["reused_from_disk"] > 0 and read_only["disk_puts"] == 0
 
 
+@needs_redis
 def test_a_cluster_that_stops_answering_costs_at_most_the_timeout(
     bench: Bench, cluster: RedisCluster
 ) -> None:
