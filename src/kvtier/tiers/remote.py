@@ -310,7 +310,7 @@ class RemoteTier(Tier):
 
     def pin(self, refs: Iterable[ChunkRef]) -> list[bool]:
         """Nothing is pinned in a shared store: whether each chunk is held."""
-        return [self.contains(r) for r in refs]
+        return self.contains_many(list(refs))
 
     def unpin(self, refs: Iterable[ChunkRef]) -> None:
         return None
