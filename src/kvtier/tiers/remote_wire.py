@@ -112,12 +112,15 @@ def _read_off_socket(
     clean = False
     try:
         conn.send_packed_command(conn.pack_commands([("GETRANGE", key, a, b) for a, b in pieces]))
-        replies = _Replies(conn._sock)  # redis-py's socket: TLS-wrapped where configured
+        sock = getattr(conn, "_sock", None)  # redis-py's socket: TLS-wrapped where configured
+        if sock is None:
+            raise WireError("this redis-py connection shows no socket")
+        replies = _Replies(sock)
         view = buffer.data
         pos = 0
         for start, end in pieces:
             line = replies.line()
-            if not line.startswith(b"$"):
+            if not line.startswith(b"$") or not line[1:].lstrip(b"-").isdigit():
                 raise WireError(line[:120].decode(errors="replace"))
             length = int(line[1:])
             if not 0 <= length <= end - start + 1 or length > len(view) - pos:
