@@ -32,8 +32,9 @@ from typing import Any
 import psutil
 
 from kvbench.common import base_parser, machine_info, print_machine, write_json
-from kvbench.peer_runs import HttpServer, kvtier_server
+from kvbench.peer_runs import kvtier_server
 from kvbench.serve_client import MODEL_NAME
+from kvbench.server_process import HttpServer
 
 MiB = 1 << 20
 WORDS = ["river", "stone", "lamp", "orbit", "cedar", "violet", "harbor", "copper", "meadow"]

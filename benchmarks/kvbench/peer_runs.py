@@ -1,10 +1,9 @@
 """The processes of ``kvtier bench peers``: both servers, vLLM's serving client, and vLLM's
 offline ``LLM`` in a worker of its venv.
 
-Contract: ``HttpServer.start`` blocks until ``/health`` answers (printing a progress line
-while it waits) and raises ``RuntimeError`` with the log's tail when the process dies or
-the timeout passes; ``stop`` sends SIGTERM, then kills. ``run_serve_client`` runs vLLM's
-client once and returns its parsed result file; ``serve_figures`` is pure.
+Contract: both servers are ``kvbench.server_process.HttpServer`` processes.
+``run_serve_client`` runs vLLM's client once and returns its parsed result file;
+``serve_figures`` is pure.
 ``OfflineWorker`` keeps one vLLM ``LLM`` alive and runs one batch per ``run`` call, so
 vLLM's and kvtier's offline batches can alternate without restarting vLLM.
 """
@@ -13,18 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from kvbench.serve import free_port, log_tail
 from kvbench.serve_client import MODEL_NAME
+from kvbench.server_process import HttpServer, free_port
 from kvbench.vllm_env import MAX_MODEL_LEN, venv_python
 
 MAX_NUM_SEQS = 16
@@ -43,63 +39,6 @@ def vllm_env(threads: int, kv_gib: int) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
         "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(threads),
     }
-
-
-class HttpServer:
-    """A server process on a loopback port, logging to a file."""
-
-    def __init__(
-        self, name: str, command: list[str], env: dict[str, str], port: int, log_path: Path
-    ) -> None:
-        self.name, self.command, self.env, self.port, self.log_path = (
-            name,
-            command,
-            env,
-            port,
-            log_path,
-        )
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float) -> float:
-        """Start it and wait for ``/health``; the seconds that took."""
-        print(f"{self.name}: starting on port {self.port} (log {self.log_path})", flush=True)
-        started = time.perf_counter()
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=log)
-        next_note = started + 30
-        while True:
-            try:
-                url = f"http://127.0.0.1:{self.port}/health"
-                with urllib.request.urlopen(url, timeout=2) as reply:
-                    if reply.status == 200:
-                        seconds = time.perf_counter() - started
-                        print(f"{self.name}: healthy after {seconds:.0f} s", flush=True)
-                        return seconds
-            except (urllib.error.URLError, OSError):
-                pass
-            now = time.perf_counter()
-            if self.process.poll() is not None or now - started > timeout_s:
-                self.stop()
-                raise RuntimeError(f"{self.name} did not start: {self.log_tail()}")
-            if now > next_note:
-                print(f"{self.name}: waiting for /health ({now - started:.0f} s)", flush=True)
-                next_note = now + 30
-            time.sleep(0.5)
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-    def log_tail(self, lines: int = 5) -> str:
-        return log_tail(self.log_path, lines)
 
 
 def vllm_server(venv: Path, folder: Path, threads: int, kv_gib: int, workdir: Path) -> HttpServer:

@@ -62,7 +62,6 @@ from kvbench.common import (
     write_json,
 )
 from kvbench.peer_runs import (
-    HttpServer,
     OfflineWorker,
     kvtier_server,
     run_serve_client,
@@ -71,6 +70,7 @@ from kvbench.peer_runs import (
     vllm_server,
 )
 from kvbench.serve_client import Reply, stream_completion
+from kvbench.server_process import HttpServer
 from kvbench.trace import TOKEN_ID_RANGE, ReplayRequest
 from kvbench.vllm_env import PeerSetupError, ensure_folder, ensure_venv
 

@@ -50,14 +50,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -72,9 +67,9 @@ from kvbench.serve_client import (
     metric_figures,
     replay,
     reply_figures,
-    scrape_metrics,
     stream_completion,
 )
+from kvbench.server_process import HttpServer, free_port
 from kvbench.trace import (
     DEFAULT_TRACE,
     TOKEN_ID_RANGE,
@@ -151,87 +146,26 @@ def server_configs(
     }
 
 
-def log_tail(path: Path, lines: int = 5) -> str:
-    """The last ``lines`` of a server's log on one line (for an error message)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return " | ".join(text.strip().splitlines()[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
-    """A ``kvtier serve`` process of one configuration, on a free port, logging to a file.
-
-    ``start`` blocks until ``/health`` answers (or raises with the log's tail); ``stop``
-    sends SIGTERM and waits for the drain; the process is killed if it does not end.
-    """
+class Server(HttpServer):
+    """A ``kvtier serve`` process of one configuration, on a free port, logging to a file
+    (``start`` and ``stop`` as ``HttpServer``'s, both bounded by ``timeout_s``). Flags may
+    be added to ``command`` before ``start``."""
 
     def __init__(
         self, config: ServerConfig, workdir: Path, model: str | None, timeout_s: float
     ) -> None:
+        port = free_port()
         self.config = config
-        self.port = free_port()
-        self.timeout_s = timeout_s
         self.disk_dir = workdir / f"disk-{config.name}" if config.disk_mb is not None else None
-        self.log_path = workdir / f"serve-{config.name}.log"
-        command = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port)]
         command += ["--served-model-name", MODEL_NAME, "--log-level", "warning"]
         command += config.flags(self.disk_dir)
         if model is not None:
             command += ["--model", model]
-        self.command = command
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        # The server has no thread flag: OMP_NUM_THREADS sets torch's intra-op threads.
+        # The server has no thread flag here: OMP_NUM_THREADS sets torch's intra-op threads.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(self.command, env=env, stdout=log, stderr=log)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                url = f"http://127.0.0.1:{self.port}/health"
-                with urllib.request.urlopen(url, timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"kvtier serve ({self.config.name}) did not start: {self.log_tail()}"
-                )
-            time.sleep(0.25)
-
-    def metrics(self) -> dict[tuple[str, str], float]:
-        return scrape_metrics(self.port)
-
-    def stop(self) -> int:
-        """SIGTERM, then wait for the drain (and the host tier's flush to disk)."""
-        if self.process is None:
-            return 0
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return int(self.process.returncode)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def log_tail(self, lines: int = 5) -> str:
-        return log_tail(self.log_path, lines)
+        log_path = workdir / f"serve-{config.name}.log"
+        super().__init__(f"kvtier serve ({config.name})", command, env, port, log_path, timeout_s)
 
 
 # ---- one configuration -----------------------------------------------------------------------

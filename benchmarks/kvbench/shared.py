@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvbench.peer_runs import HttpServer, kvtier_server
+from kvbench.peer_runs import kvtier_server
 from kvbench.redis_cluster import RedisCluster
 from kvbench.serve_client import MODEL_NAME
+from kvbench.server_process import HttpServer
 
 NEW_TOKENS = 8
 PREFIX = "kvtier"
