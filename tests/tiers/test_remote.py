@@ -16,8 +16,9 @@ import torch
 
 from kvbench.redis_cluster import RedisCluster, available, free_ports
 from kvtier.config import RemoteConfig
-from kvtier.kv import KVLayout
+from kvtier.kv import Chunk, KVLayout
 from kvtier.tiers import host_tier, remote_format
+from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import make_chunks
 
@@ -34,6 +35,14 @@ def _tier(layout: KVLayout, url: str, cluster: bool = True, **changes: object) -
     changes.setdefault("timeout_s", 5.0)
     config = RemoteConfig(url=url, key_prefix=_prefix(), cluster=cluster, **changes)  # type: ignore[arg-type]
     return RemoteTier(layout, config)
+
+
+def _host_holding(layout: KVLayout, count: int) -> tuple[PoolTier, list[Chunk]]:
+    """A host tier holding ``count`` new chunks (a write-behind's source)."""
+    host = host_tier(layout, count * layout.chunk_nbytes, pin_memory=False)
+    chunks = make_chunks(layout, count)
+    host.put(chunks)
+    return host, chunks
 
 
 def test_corrupt_and_truncated_values_are_dropped_and_never_served(
@@ -153,9 +162,7 @@ def test_a_slow_store_gives_up_after_the_timeout(layout: KVLayout) -> None:
 def test_write_behind_reads_from_host_and_drops_the_oldest_when_full(
     redis_cluster: RedisCluster, layout: KVLayout
 ) -> None:
-    host = host_tier(layout, 16 * layout.chunk_nbytes, pin_memory=False)
-    chunks = make_chunks(layout, 6)
-    host.put(chunks)
+    host, chunks = _host_holding(layout, 6)
     tier = _tier(layout, redis_cluster.url, write_behind_chunks=64)
     tier.write_behind([c.ref for c in chunks], host)
     tier.sync()
@@ -178,9 +185,7 @@ def test_write_behind_reads_from_host_and_drops_the_oldest_when_full(
 def test_write_behind_sends_nothing_the_store_holds_and_renews_its_ttl(
     redis_cluster: RedisCluster, layout: KVLayout
 ) -> None:
-    host = host_tier(layout, 4 * layout.chunk_nbytes, pin_memory=False)
-    chunks = make_chunks(layout, 3)
-    host.put(chunks)
+    host, chunks = _host_holding(layout, 3)
     a = _tier(layout, redis_cluster.url, ttl_s=100.0)
     a.put(chunks[:2])
     a.client.pexpire(a.key(chunks[0].ref), 5000)  # about to expire
