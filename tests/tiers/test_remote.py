@@ -142,14 +142,17 @@ def test_a_store_that_is_down_costs_one_timeout_then_nothing_and_recovers(
 def test_a_slow_store_gives_up_after_the_timeout(layout: KVLayout) -> None:
     server = RedisCluster.start_single()
     try:
-        tier = _tier(layout, server.url, cluster=False, timeout_s=0.3, retry_after_s=0.2)
-        (chunk,) = make_chunks(layout, 1)
-        tier.put([chunk])
+        tier = _tier(layout, server.url, cluster=False, timeout_s=0.3, retry_after_s=1.0)
+        chunks = make_chunks(layout, 4)
+        chunk = chunks[0]
+        tier.put(chunks)
         slow = redis.Redis.from_url(server.url)
         slow.execute_command("CLIENT", "PAUSE", "1500", "ALL")  # the store stops answering
         start = time.perf_counter()
-        assert tier.get_into([chunk.ref], [layout.empty_chunk()]) == [False]
-        assert time.perf_counter() - start < 0.3 + 0.2
+        tier.read_ahead([c.ref for c in chunks])  # reads ahead wait on it too
+        outs = [layout.empty_chunk() for _ in chunks]
+        assert tier.get_into([c.ref for c in chunks], outs) == [False] * 4
+        assert time.perf_counter() - start < 0.3 + 0.2  # one timeout, not one per read
         time.sleep(1.6)  # the pause ends; the back-off has passed
         out = layout.empty_chunk()
         assert tier.get_into([chunk.ref], [out]) == [True] and torch.equal(out, chunk.data)

@@ -189,7 +189,10 @@ class Guard:
 
     def wait(self, future: Future[T]) -> T:
         """The result of a call ``start`` began, waited for at most ``timeout_s`` from now;
-        raises ``Unavailable`` (and marks the store down) if it failed or did not answer."""
+        raises ``Unavailable`` (and marks the store down) if it failed or did not answer,
+        and at once if the store went down since and the call has not finished."""
+        if not future.done() and time.monotonic() < self._down_until:
+            raise Unavailable("the shared tier is down")
         try:
             try:
                 result = future.result(timeout=self.timeout_s)
