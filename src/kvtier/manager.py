@@ -226,7 +226,7 @@ class KVManager:
         its write-back instead, and its queued copy then finds nothing to do.
         """
         hop = self.hops[index]
-        todo = [r for r in refs if not hop.holds(r)]
+        todo = [r for r, held in zip(refs, hop.holds_many(refs), strict=True) if not held]
         if not todo:
             return
         if hop.lower.writes_disabled:

@@ -45,12 +45,9 @@ class Hop:
     layout: KVLayout
     _staging: torch.Tensor | None = field(default=None, repr=False)
 
-    def holds(self, ref: ChunkRef) -> bool:
-        """True if ``lower`` holds ``ref`` or it is queued to be written there."""
-        return self.queue.holds(ref) or self.lower.contains(ref)
-
     def holds_many(self, refs: Sequence[ChunkRef]) -> list[bool]:
-        """``holds`` of each ref, asking ``lower`` once for those not queued."""
+        """For each ref: True if ``lower`` holds it or it is queued to be written there
+        (``lower`` is asked once, for those not queued)."""
         queued = [self.queue.holds(r) for r in refs]
         asked = iter(
             self.lower.contains_many([r for r, q in zip(refs, queued, strict=True) if not q])

@@ -203,14 +203,10 @@ class RemoteTier(Tier):
         holds are left as they are. While the tier is down they are skipped and counted
         (``writes_skipped``). The caller keeps ``chunk.data``."""
         result = PutResult()
-        try:
-            held = self._held([c.ref for c in chunks])
-        except Unavailable:
-            held = [False] * len(chunks)  # the write below is skipped and counted
+        # While the tier is down none counts as held: the write below is skipped and counted.
+        held = self._duplicates([c.ref for c in chunks]) or [False] * len(chunks)
         todo = [c for c, h in zip(chunks, held, strict=True) if not h]
         result.already_present.extend(c.key for c, h in zip(chunks, held, strict=True) if h)
-        with self._lock:
-            self._stats.duplicate_puts += len(chunks) - len(todo)
         encoded = [
             (c.ref, remote_format.encode(self.layout, c.ref, _bytes_of(c.data))) for c in todo
         ]
@@ -235,22 +231,29 @@ class RemoteTier(Tier):
         chunk)."""
         self._queue.sync(self.config.timeout_s)
 
-    def _write_batch(self, refs: list[ChunkRef]) -> None:
-        if self._source is not None:
-            self._write_from(self._source, refs)
-
-    def _write_from(self, source: PoolTier, refs: list[ChunkRef]) -> None:
-        """Encode ``refs`` from ``source``'s slots while they are pinned (the value is a
-        copy: a slot reused after the unpin cannot change what is sent), then write them.
-        Chunks the store holds already (another instance wrote them) are not sent again."""
+    def _duplicates(self, refs: Sequence[ChunkRef]) -> list[bool] | None:
+        """Which refs the store holds already (another instance wrote them), counted in
+        ``duplicate_puts``; None while the tier is down."""
         try:
             held = self._held(refs)
         except Unavailable:
+            return None
+        with self._lock:
+            self._stats.duplicate_puts += sum(held)
+        return held
+
+    def _write_batch(self, refs: list[ChunkRef]) -> None:
+        """The writer thread's step: encode ``refs`` from the source's slots while they are
+        pinned (the value is a copy: a slot reused after the unpin cannot change what is
+        sent), then write them. Chunks the store holds already are not sent again."""
+        source = self._source
+        if source is None:
+            return
+        held = self._duplicates(refs)
+        if held is None:
             with self._lock:
                 self._stats.writes_skipped += len(refs)
             return
-        with self._lock:
-            self._stats.duplicate_puts += sum(held)
         refs = [r for r, h in zip(refs, held, strict=True) if not h]
         pinned = source.pin(refs)
         try:
