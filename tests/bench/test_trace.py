@@ -4,6 +4,7 @@ and scaling, and how much prefix a window shares."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +44,12 @@ TRACE = [
 ]
 
 
-def test_default_trace_path_is_the_shared_folder_beside_the_repository() -> None:
-    assert DEFAULT_TRACE.parts[-3:] == ("shared", "traces", "conversation_trace.jsonl")
-    assert DEFAULT_TRACE.parents[2] == Path(__file__).resolve().parents[3]
+def test_default_trace_is_committed_and_reads_whole() -> None:
+    assert DEFAULT_TRACE.parents[1] == Path(__file__).resolve().parents[2] / "benchmarks"
+    trace = load_trace(DEFAULT_TRACE)
+    assert len(trace) == 12_031  # the Mooncake conversation trace, every request
+    assert all(r.hash_ids[0] == 0 for r in trace)  # every request opens with block 0
+    assert all(len(r.hash_ids) == math.ceil(r.input_length / 512) for r in trace)
 
 
 def test_load_trace_reads_records_and_names_what_is_wrong(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from kvtier.plan import PRESETS, decode_step, hardware, max_sessions, model_shap
 from kvtier.plan.workload import workload
 from kvtier.random_weights import model_config
 
-TRACE = Path(__file__).parents[2] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = Path(__file__).parents[2] / "benchmarks" / "traces" / "conversation_trace.jsonl.xz"
 
 
 def test_the_embedded_model_shape_matches_its_weights() -> None:

@@ -2,7 +2,7 @@
 
 Either ``key=value`` pairs (``context=8192,sessions=64,turn_gap_s=60,rate=2,output=256``)
 or a JSONL trace with ``timestamp`` (ms), ``input_length`` and ``output_length`` per request
-(the Mooncake format of ``shared/traces``). Pure functions (``workload`` reads the trace
+(the Mooncake format of ``benchmarks/traces``; ``.jsonl``, ``.jsonl.xz`` or ``.jsonl.gz``). Pure functions (``workload`` reads the trace
 file); thread-safe.
 """
 
@@ -12,6 +12,8 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvtier.tracefile import is_trace_path, open_trace
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ def workload(spec: str) -> Workload:
         ValueError: an unknown key, a bad number, or an empty trace.
     """
     path = Path(spec)
-    if path.suffix == ".jsonl" or path.is_file():
+    if is_trace_path(path) or path.is_file():
         return _from_trace(path)
     fields: dict[str, float] = {}
     known = ("context", "sessions", "turn_gap_s", "rate", "output")
@@ -71,7 +73,8 @@ def workload(spec: str) -> Workload:
 
 
 def _from_trace(path: Path) -> Workload:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with open_trace(path, "--workload") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
         raise ValueError(f"--workload: {path} holds no requests")
     inputs = sorted(int(r["input_length"]) for r in rows)
