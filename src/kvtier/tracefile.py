@@ -30,7 +30,7 @@ def open_trace(path: Path, flag: str = "--trace") -> TextIO:
             option that gave it).
     """
     if not path.is_file():
-        raise FileNotFoundError(f"{flag}: trace {path} not found; pass {flag} PATH to a JSONL trace")
+        raise FileNotFoundError(f"{flag}: {path} not found; pass {flag} PATH to a JSONL trace")
     if path.suffix == ".xz":
         return lzma.open(path, "rt", encoding="utf-8")
     if path.suffix == ".gz":

@@ -2,8 +2,8 @@
 
 Either ``key=value`` pairs (``context=8192,sessions=64,turn_gap_s=60,rate=2,output=256``)
 or a JSONL trace with ``timestamp`` (ms), ``input_length`` and ``output_length`` per request
-(the Mooncake format of ``benchmarks/traces``; ``.jsonl``, ``.jsonl.xz`` or ``.jsonl.gz``). Pure functions (``workload`` reads the trace
-file); thread-safe.
+(the Mooncake format of ``benchmarks/traces``; ``.jsonl``, ``.jsonl.xz`` or ``.jsonl.gz``).
+Pure functions (``workload`` reads the trace file); thread-safe.
 """
 
 from __future__ import annotations
