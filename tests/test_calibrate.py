@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvtier import calibrate as cal
-from kvtier import native
+from kvtier import native, profiles
 from kvtier.cli import main as cli_main
 from tests.engine.tiny import save_folder, tokenizer
 
@@ -33,8 +33,8 @@ def profile_and_path(
 
 def test_every_rate_is_measured(profile_and_path: tuple[dict[str, Any], Path]) -> None:
     profile, _ = profile_and_path
-    assert profile["version"] == cal.PROFILE_VERSION
-    assert profile["machine"]["identity"] == cal.machine_identity()
+    assert profile["version"] == profiles.PROFILE_VERSION
+    assert profile["machine"]["identity"] == profiles.machine_identity()
     link = profile["link"]
     assert link["kind"].startswith("memcpy")  # no accelerator here
     assert min(link["h2d_gbps"], link["d2h_gbps"], link["each_way_both_busy_gbps"]) > 0
@@ -44,7 +44,7 @@ def test_every_rate_is_measured(profile_and_path: tuple[dict[str, Any], Path]) -
     device = profile["attention"]["device"]
     assert device["kernel"] == ("kvtier" if native.ops() is not None else "torch")
     assert device["gbps"] > 0
-    rates = cal.placement_rates(profile)  # what placement "auto" reads
+    rates = profiles.placement_rates(profile)  # what placement "auto" reads
     assert rates.link_gbps == link["h2d_gbps"] and not rates.concurrent
     disk = profile["disk"]
     assert disk["write_gbps"] > 0 and disk["read_gbps"] > 0
@@ -63,14 +63,14 @@ def test_a_profile_is_found_on_this_machine_only(
 ) -> None:
     profile, _ = profile_and_path
     model_id = profile["model"]["id"]
-    assert cal.load_profile(model_id, tmp_path) is None  # nothing saved there yet
+    assert profiles.load_profile(model_id, tmp_path) is None  # nothing saved there yet
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
-    path = cal.save_profile(profile)
-    assert path == cal.profile_path(model_id, tmp_path) and path.is_file()
-    assert cal.load_profile(model_id, tmp_path) == profile
+    path = profiles.save_profile(profile)
+    assert path == profiles.profile_path(model_id, tmp_path) and path.is_file()
+    assert profiles.load_profile(model_id, tmp_path) == profile
     other = {**profile, "machine": {**profile["machine"], "identity": "another"}}
     path.write_text(json.dumps(other))
-    assert cal.load_profile(model_id, tmp_path) is None
+    assert profiles.load_profile(model_id, tmp_path) is None
 
 
 def test_the_fits() -> None:

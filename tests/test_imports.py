@@ -1,5 +1,6 @@
-"""The package has no import circles: read from the source (module-level imports outside
-``if TYPE_CHECKING:``), so a circle fails here even where import order happens to hide it."""
+"""The package has no import circles: read from the source (every import outside ``if
+TYPE_CHECKING:``, those inside functions included: a deferred import is still a dependency),
+so a circle fails here even where import order or laziness happens to hide it."""
 
 from __future__ import annotations
 
@@ -21,13 +22,20 @@ def module_names() -> dict[str, Path]:
     return names
 
 
+def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``tree`` at any depth, but those under ``if TYPE_CHECKING:``."""
+    if isinstance(tree, ast.If) and "TYPE_CHECKING" in ast.unparse(tree.test):
+        return [n for child in tree.orelse for n in runtime_imports(child)]
+    if isinstance(tree, ast.Import | ast.ImportFrom):
+        return [tree]
+    return [n for child in ast.iter_child_nodes(tree) for n in runtime_imports(child)]
+
+
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package modules ``name`` imports when it is imported."""
+    """The package modules ``name`` imports, now or when one of its functions runs."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
+    for node in runtime_imports(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 
 from kvbench.common import base_parser, machine_info, print_machine, write_json
-from kvtier.calibrate import Settings, calibrate_model, load_profile, save_profile
+from kvtier.calibrate import Settings, calibrate_model
 from kvtier.config import HostConfig, LinkConfig, ManagerConfig, TieredCacheConfig
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.manager import KVManager
 from kvtier.models import load_model
 from kvtier.plan import from_profile, model_shape
 from kvtier.plan.predict import decode_step
+from kvtier.profiles import load_profile, save_profile
 
 CHUNK = 256
 NEW_TOKENS = 16

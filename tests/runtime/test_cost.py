@@ -9,12 +9,18 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvtier.calibrate import PROFILE_VERSION, machine_identity, profile_path, save_profile
-from kvtier.calibrate.rates import ProfileMissingError, placement_rates
 from kvtier.config import LinkConfig, PlacementRates, TieredCacheConfig
 from kvtier.hf.cache import TieredCache
 from kvtier.kv.layout import KVLayout
 from kvtier.models import random_model
+from kvtier.profiles import (
+    PROFILE_VERSION,
+    ProfileMissingError,
+    machine_identity,
+    placement_rates,
+    profile_path,
+    save_profile,
+)
 from kvtier.runtime.cost import choose_hosted, hosted_counter, predict_s
 from kvtier.runtime.groups import LayerGroup
 

@@ -21,10 +21,11 @@ it, on the machine that runs it:
 - ``remote`` (with ``--remote URL``): the shared tier's write and read GB/s through
   ``kvtier.tiers.remote.RemoteTier`` (chunk-sized values, under a scratch prefix).
 
-``calibrate`` returns the profile (a JSON-ready dict) and ``save_profile`` writes it to
-``<kvtier cache>/profiles/<machine>-<model>.json``; ``load_profile`` finds the one that
-matches this machine (``machine_identity``: CPU model, cores, memory, accelerator, torch)
-and a model identity (``kvtier.models.model_identity``). Nothing here mutates shared
+``calibrate`` returns the profile (a JSON-ready dict); ``kvtier.profiles`` saves it to
+``<kvtier cache>/profiles/<machine>-<model>.json``, finds the one that matches this machine
+and model, and reads the cost model's rates from it (the engine and the transformers cache
+read profiles there, below this package, which measures through the engine; a profile
+missing at start is measured by ``ensure_profile``). Nothing here mutates shared
 state; measurements run on the calling thread (the link's worker thread for the link),
 with torch's thread count restored afterwards.
 """
@@ -38,25 +39,21 @@ from kvtier.calibrate.measure import (
     measure_link,
     measure_remote,
 )
-from kvtier.calibrate.profile import (
-    PROFILE_VERSION,
-    load_profile,
-    machine_identity,
-    profile_path,
-    save_profile,
+from kvtier.calibrate.run import (
+    Settings,
+    calibrate,
+    calibrate_model,
+    ensure_profile,
+    main,
+    report,
 )
-from kvtier.calibrate.rates import ProfileMissingError, placement_rates, resolve_rates
-from kvtier.calibrate.run import Settings, calibrate, calibrate_model, main, report
 
 __all__ = [
-    "PROFILE_VERSION",
-    "ProfileMissingError",
     "Settings",
     "calibrate",
     "calibrate_model",
+    "ensure_profile",
     "fit",
-    "load_profile",
-    "machine_identity",
     "main",
     "measure_attention",
     "measure_batch_decode",
@@ -64,9 +61,5 @@ __all__ = [
     "measure_disk",
     "measure_link",
     "measure_remote",
-    "placement_rates",
-    "profile_path",
     "report",
-    "resolve_rates",
-    "save_profile",
 ]

@@ -19,8 +19,12 @@ import torch
 
 from kvtier import native
 from kvtier.attention import attend_flat
+from kvtier.config import RemoteConfig
+from kvtier.engine import SamplingParams
 from kvtier.kv import KVLayout
+from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.tiers import disk_io
+from kvtier.tiers.remote_client import safe_url
 from kvtier.transfer import CopyStep, Link
 
 MiB = 1 << 20
@@ -233,8 +237,6 @@ def measure_compute(
 ) -> dict[str, Any]:
     """Prefill seconds and decode ms per token at each prompt length, through ``engine``
     (one request at a time, fresh token ids so nothing is reused), with their fits."""
-    from kvtier.engine import SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)
     gen = torch.Generator().manual_seed(1234)
     prefill_s: list[float] = []
@@ -277,8 +279,6 @@ def measure_batch_decode(
     The step is the median gap between consecutive tokens of the first request while
     all ``B`` decode (the engine's decode steps carry one token per sequence), the best of
     ``repeats`` runs."""
-    from kvtier.engine import SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=decode_tokens + 4, ignore_eos=True)
     gen = torch.Generator().manual_seed(4321)
     step_ms: list[float] = []
@@ -324,10 +324,7 @@ def measure_remote(url: str, layout: KVLayout, nbytes: int, repeats: int) -> dic
     Raises:
         ValueError: the store cannot be reached.
     """
-    from kvtier.config import RemoteConfig
-    from kvtier.kv.chunk import Chunk, ChunkRef
-    from kvtier.tiers.remote import RemoteTier
-    from kvtier.tiers.remote_client import safe_url
+    from kvtier.tiers.remote import RemoteTier  # redis-py is imported only when used
 
     config = RemoteConfig(url=url, key_prefix=f"kvtier-calibrate-{os.getpid()}", ttl_s=600.0)
     tier = RemoteTier(layout, config)

@@ -1,10 +1,13 @@
 """One calibration run: ``Settings``, ``calibrate`` (every measurement, with a progress
-bar), ``report`` (the terminal lines) and ``main`` (the ``kvtier calibrate`` command)."""
+bar), ``calibrate_model`` (through an engine of its own), ``ensure_profile`` (calibrate once
+when this machine has no profile of a model), ``report`` (the terminal lines) and ``main``
+(the ``kvtier calibrate`` command). Above the engine: it measures through one."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import platform
 import time
@@ -25,10 +28,15 @@ from kvtier.calibrate.measure import (
     measure_link,
     measure_remote,
 )
-from kvtier.calibrate.profile import PROFILE_VERSION, machine_identity, save_profile
+from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
+from kvtier.engine import Engine, EngineConfig
 from kvtier.kv import KVLayout
 from kvtier.machine import machine_info, print_machine
 from kvtier.models import cache_root, load_model
+from kvtier.profiles import PROFILE_VERSION, load_profile, machine_identity, save_profile
+from kvtier.tiers.remote_client import safe_url
+
+log = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 256
 """Chunk size of the engine ``kvtier calibrate`` measures compute on (the serving default)."""
@@ -172,9 +180,6 @@ def calibrate_model(
     """``calibrate`` through an engine of its own over ``model`` (the largest decode batch,
     a device budget per sequence that holds the longest prompt, a host tier twice them
     all), closed afterwards."""
-    from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
-    from kvtier.engine import Engine, EngineConfig
-
     layout = KVLayout.from_model_config(model.config, next(model.parameters()).dtype, CHUNK_TOKENS)
     longest = max(settings.prefill_tokens) + settings.decode_tokens + 2
     budget = (longest // layout.chunk_tokens + 2) * layout.chunk_nbytes
@@ -188,6 +193,22 @@ def calibrate_model(
     )
     with Engine(model, tokenizer, config, model_id=model_id) as engine:
         return calibrate(engine, settings, progress)
+
+
+def ensure_profile(model: Any, tokenizer: Any, model_id: str) -> Path | None:
+    """Calibrate ``model`` with ``Settings.quick()`` and save the profile when this machine
+    has none of ``model_id`` (what ``placement="auto"`` needs: ``kvtier serve`` calls this
+    at start); the path written, or None when a profile was already there."""
+    if load_profile(model_id) is not None:
+        return None
+    log.warning(
+        "placement auto: no calibration profile of %s on this machine; calibrating now "
+        "(once; `kvtier calibrate` measures more)",
+        model_id,
+    )
+    path = save_profile(calibrate_model(model, tokenizer, model_id, Settings.quick()))
+    log.info("calibration profile written to %s", path)
+    return path
 
 
 def report(profile: dict[str, Any]) -> str:
@@ -225,8 +246,6 @@ def report(profile: dict[str, Any]) -> str:
 
 def _url(url: str | None) -> str | None:
     """A URL without its password (profiles are shared)."""
-    from kvtier.tiers.remote_client import safe_url
-
     return None if url is None else safe_url(url)
 
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from kvtier.config import TieredCacheConfig
 from kvtier.engine.admission import Limits, check_fits, check_prompt_length
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.handoff import Handoff
@@ -48,6 +47,7 @@ from kvtier.engine.work import WorkModel
 from kvtier.hf import attach, model_spec
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
+from kvtier.profiles import resolve_rates
 from kvtier.runtime import CacheStats, SeatSlab, SequenceKV
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,11 @@ class Engine:
         model_id: identity of the weights in chunk keys (default: a digest of the model).
         manager: share tiers with other engines; the caller then closes it. Default: the
             engine builds one from ``config.manager`` and closes it in ``close``.
+
+    Raises:
+        UnsupportedModelError: kvtier cannot run the model exactly (one line: why).
+        ProfileMissingError: placement ``auto`` without rates and no profile of the model
+            on this machine (``kvtier.calibrate.ensure_profile`` measures one).
     """
 
     def __init__(
@@ -117,7 +122,9 @@ class Engine:
             WorkModel(),
             self.config.max_queue_s,
         )
-        cache_config = self._placement_rates(model, tokenizer)
+        # Rates: given, or this machine's profile of the model (``placement="auto"``
+        # without either raises ProfileMissingError; ``kvtier serve`` calibrates first).
+        cache_config = resolve_rates(self.config.cache, self.model_id)
         cache_device = torch.device(cache_config.device or self.device)
         # All layers full attention: the sequences' pools and tails are rows of one slab,
         # so a decode step attends every sequence with one call per layer.
@@ -173,25 +180,6 @@ class Engine:
         gc.freeze()
         self._worker = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._worker.start()
-
-    def _placement_rates(self, model: Any, tokenizer: Any) -> TieredCacheConfig:
-        """The cache config with its cost-model rates: given, or from this machine's
-        profile of the model, or (none yet, placement ``auto``) calibrated now with
-        ``kvtier calibrate --quick``'s settings and saved for the next start."""
-        from kvtier.calibrate import Settings, calibrate_model, save_profile
-        from kvtier.calibrate.rates import ProfileMissingError, resolve_rates
-
-        try:
-            return resolve_rates(self.config.cache, self.model_id)
-        except ProfileMissingError:
-            log.warning(
-                "placement auto: no calibration profile of %s on this machine; calibrating "
-                "now (once; `kvtier calibrate` measures more)",
-                self.model_id,
-            )
-        profile = calibrate_model(model, tokenizer, self.model_id, Settings.quick(), progress=True)
-        log.info("calibration profile written to %s", save_profile(profile))
-        return resolve_rates(self.config.cache, self.model_id)
 
     @classmethod
     def from_pretrained(

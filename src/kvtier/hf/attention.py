@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvtier.hf.cache import SelfManagedCache
+from kvtier.hf.base import SelfManagedCache
 from kvtier.runtime import LayerKV, PackedKV, attend, attend_packed
 
 ATTENTION_NAME = "kvtier"

@@ -18,17 +18,19 @@ Thread-safety: one forward pass at a time per cache. Tiers may be shared with ot
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtier.config import HostConfig, ManagerConfig, TieredCacheConfig
+from kvtier.hf.attention import attach
+from kvtier.hf.base import FacadeLayer, SelfManagedCache
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.spec import LayerSpec, check_exact, sliding_windows
 from kvtier.manager import KVManager
+from kvtier.models import model_identity
+from kvtier.profiles import resolve_rates
 from kvtier.runtime import CacheStats, LayerKV, SequenceKV
 
 
@@ -71,78 +73,6 @@ def model_spec(model: torch.nn.Module, chunk_tokens: int) -> ModelSpec:
     return ModelSpec(layout, specs, sliding_windows(model, specs), model_type)
 
 
-class FacadeLayer(CacheLayerMixin):
-    """Per-layer facade so transformers' generic ``Cache`` code sees familiar layers.
-
-    kvtier's caches keep their KV themselves; a facade only answers lengths and mask sizes
-    from its cache's ``get_seq_length()`` and refuses direct updates.
-    """
-
-    is_sliding = False
-
-    def __init__(self, cache: Cache) -> None:
-        super().__init__()
-        self._cache = weakref.ref(cache)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> Any:
-        cache = self._cache()
-        name = type(cache).__name__
-        raise RuntimeError(f"{name} layers are updated through {name}.update")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        cache = self._cache()
-        return 0 if cache is None else cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class SelfManagedCache(Cache):
-    """What every kvtier cache answers the same way to transformers' generic code.
-
-    The KV lives in kvtier's tiers, not in ``layers``: lengths and mask sizes come from
-    ``get_seq_length``; nothing is compiled (static shapes would defeat the tiers) and
-    ``crop`` is limited (``is_croppable`` False, so ``generate`` never relies on it).
-    """
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length()
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def begin_forward(
-        self, ids: torch.Tensor | None, new_tokens: int, rows: int, padding: torch.Tensor | None
-    ) -> None:
-        """Called by kvtier's model hook before a forward that uses this cache: the new
-        tokens' ids ``[B, N]`` (None when the model got embeddings) and the ``[B, kv_length]``
-        padding mask (True = real token; None: none)."""
-        raise NotImplementedError
-
-    def end_forward(self) -> None:
-        """Called by kvtier's model hook after a forward that used this cache completed."""
-        raise NotImplementedError
-
-
 class TieredCache(SelfManagedCache):
     """Drop-in transformers cache with a device byte budget over kvtier's tiers.
 
@@ -170,8 +100,6 @@ class TieredCache(SelfManagedCache):
         model_id: str | None = None,
         chunk_tokens: int = 256,
     ) -> None:
-        from kvtier.hf.attention import attach
-
         self.config = config or TieredCacheConfig()
         # Refuse, with the reason, a model this cache cannot run exactly (before any state).
         spec = model_spec(model, manager.layout.chunk_tokens if manager else chunk_tokens)
@@ -179,8 +107,6 @@ class TieredCache(SelfManagedCache):
         self.model_type = spec.model_type
         heads = spec.layout
         if manager is None:
-            from kvtier.models import model_identity
-
             host_bytes = max(64 << 20, heads.kv_nbytes(8192) + heads.chunk_nbytes * 4)
             manager = KVManager(
                 heads,
@@ -196,8 +122,6 @@ class TieredCache(SelfManagedCache):
             else next(model.parameters()).device
         )
         if self.config.rates is None:  # this machine's profile of the model, if any
-            from kvtier.calibrate.rates import resolve_rates
-
             self.config = resolve_rates(self.config, manager.hasher.namespace.model_id)
         self.kv = SequenceKV(
             manager,

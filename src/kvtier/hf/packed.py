@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvtier.hf.cache import FacadeLayer, SelfManagedCache
+from kvtier.hf.base import FacadeLayer, SelfManagedCache
 from kvtier.runtime import PackedKV, SequenceKV
 
 

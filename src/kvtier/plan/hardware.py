@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.calibrate.profile import machine_identity
-from kvtier.calibrate.rates import placement_rates
+from kvtier.profiles import machine_identity, placement_rates
 
 GB = 1e9
 

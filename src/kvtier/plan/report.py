@@ -188,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tpot-ms: must be > 0, got {args.tpot_ms}")
     profile = None
     if args.hardware == "this":
-        from kvtier.calibrate import load_profile
         from kvtier.models import load_model
         from kvtier.plan.shapes import PRESETS as MODEL_PRESETS
+        from kvtier.profiles import load_profile
 
         if args.model in MODEL_PRESETS:
             parser.error(

@@ -19,25 +19,52 @@ Storage faults cost recompute, never an error: lower-tier chunks are promoted to
 first (blocking), and only the leading run that host then holds is adopted; the chunks
 lost are counted in the manager's ``recomputed_chunks_by_cause``.
 
-The functions mutate the ``SequenceKV`` they are given (state, arena, tail) and the
-tiers (promotions, pins released before they return); same thread as its forwards.
+The functions mutate the sequence they are given (a ``PrefixTarget``, such as
+``SequenceKV``: state, arena, tail) and the tiers (promotions, pins released before they
+return); same thread as its forwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from kvtier.config import TieredCacheConfig
 from kvtier.kv.chunk import Chunk, ChunkRef
-from kvtier.manager import LookupResult
+from kvtier.kv.layout import KVLayout
+from kvtier.manager import KVManager, LookupResult
+from kvtier.runtime.arena import DeviceArena
+from kvtier.runtime.plan import ForwardPlan
+from kvtier.runtime.state import SequenceState
+from kvtier.tiers.pool import PoolTier
 
-if TYPE_CHECKING:
-    from kvtier.runtime.sequence import SequenceKV
+
+class PrefixTarget(Protocol):
+    """What reuse reads and mutates of a sequence's KV (``kvtier.runtime.SequenceKV`` is
+    one): its state, device arena and tail, the host tier and manager it shares, and the
+    pass it has open (``plan``; reuse runs only between passes)."""
+
+    manager: KVManager
+    config: TieredCacheConfig
+    layout: KVLayout
+    host: PoolTier
+    arena: DeviceArena
+    state: SequenceState
+    plan: ForwardPlan | None
+    pages_tier: str | None
+
+    def prefix_limit(self, num_tokens: int) -> int:
+        """Most tokens of a ``num_tokens`` prompt a prefix may cover (one is computed)."""
+        ...
+
+    def start_batch(self, rows: int) -> None:
+        """Size the arena for ``rows``; an empty state starts the batch."""
+        ...
 
 
-def adopt_chunks(kv: SequenceKV, ids: torch.Tensor, salt: str, match: LookupResult | None) -> int:
+def adopt_chunks(kv: PrefixTarget, ids: torch.Tensor, salt: str, match: LookupResult | None) -> int:
     """Adopt the whole cached chunks of ``ids [B, S]`` (shared by every row); returns the
     tokens adopted. ``match``: a caller's lookup of the one row's prefix."""
     limit = kv.prefix_limit(ids.shape[1])
@@ -71,7 +98,7 @@ def adopt_chunks(kv: SequenceKV, ids: torch.Tensor, salt: str, match: LookupResu
         kv.host.unpin(held)
 
 
-def _adopt_pinned(kv: SequenceKV, ids: torch.Tensor, refs: list[list[ChunkRef]]) -> int:
+def _adopt_pinned(kv: PrefixTarget, ids: torch.Tensor, refs: list[list[ChunkRef]]) -> int:
     """Adopt ``refs`` per row (pinned in host by the caller) after the sealed chunks and
     place them on the device by the arena's rules; returns the tokens adopted."""
     base = kv.state.sealed_chunks
@@ -86,7 +113,7 @@ def _adopt_pinned(kv: SequenceKV, ids: torch.Tensor, refs: list[list[ChunkRef]])
     return hit
 
 
-def adopt_loaded(kv: SequenceKV, ids: torch.Tensor, refs: list[ChunkRef]) -> int:
+def adopt_loaded(kv: PrefixTarget, ids: torch.Tensor, refs: list[ChunkRef]) -> int:
     """After the sealed chunks of one row, adopt the leading run of ``refs`` that host
     holds now (no promotion: this never waits on a lower tier); returns its tokens.
 
@@ -123,7 +150,7 @@ def _page_limit(num_tokens: int, page: int) -> int:
     return ((num_tokens - 1) // page) * page
 
 
-def _partial_ref(kv: SequenceKV, ids: torch.Tensor) -> ChunkRef:
+def _partial_ref(kv: PrefixTarget, ids: torch.Tensor) -> ChunkRef:
     """The ref of a partial chunk holding ``ids [p]`` after the last sealed chunk, under
     the sequence's salt."""
     refs = kv.state.refs[0] if kv.state.refs else []
@@ -132,13 +159,13 @@ def _partial_ref(kv: SequenceKV, ids: torch.Tensor) -> ChunkRef:
     return ChunkRef.of(key, ids)
 
 
-def _pages_on(kv: SequenceKV) -> bool:
+def _pages_on(kv: PrefixTarget) -> bool:
     page, size = kv.config.page_tokens, kv.layout.chunk_tokens
     return page < size and size % page == 0
 
 
 def _candidates(
-    kv: SequenceKV, ids: torch.Tensor, base: int, most: int
+    kv: PrefixTarget, ids: torch.Tensor, base: int, most: int
 ) -> Iterator[tuple[ChunkRef, int]]:
     """What could hold the pages after ``base``, best first, as ``(ref, tokens)``: the whole
     next chunk when the prompt holds all its tokens (its first pages are exact: attention
@@ -154,7 +181,7 @@ def _candidates(
         yield _partial_ref(kv, ids[0, base : base + tokens]), tokens
 
 
-def adopt_pages(kv: SequenceKV, ids: torch.Tensor) -> int:
+def adopt_pages(kv: PrefixTarget, ids: torch.Tensor) -> int:
     """After the adopted chunks, adopt the longest cached run of whole pages of
     ``ids [1, S]`` into the tail — from the next whole chunk or a partial one; returns its
     tokens (0: none). Probes at most ``T / page`` keys."""
@@ -193,7 +220,7 @@ def adopt_pages(kv: SequenceKV, ids: torch.Tensor) -> int:
     return 0
 
 
-def seal_pages(kv: SequenceKV, upto: int) -> int:
+def seal_pages(kv: PrefixTarget, upto: int) -> int:
     """Store the tail's whole pages before position ``upto`` as a partial chunk (one row);
     returns the tokens stored. Nothing is stored when pages are off, the tail holds no
     whole page below ``upto``, a token id is unknown, or host already holds it."""

@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     sock = listen(args.host, args.port)
     import uvicorn
 
+    from kvtier.calibrate import ensure_profile
     from kvtier.engine import Engine
+    from kvtier.models import load_model
     from kvtier.server.app import create_app
 
     if args.threads is not None:
@@ -279,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     try:
         say(f"loading {args.model or 'the embedded model'}…")
-        engine = Engine.from_pretrained(args.model, config)
+        loaded = load_model(args.model)
+        if config.cache.placement == "auto":  # the cost model needs this machine's rates
+            ensure_profile(loaded.model, loaded.tokenizer, loaded.model_id)
+        engine = Engine(loaded.model, loaded.tokenizer, config, model_id=loaded.model_id)
         say(f"model runner: {engine.runner.name}")
         name = args.served_model_name or _default_name(args.model)
         app = create_app(engine, name, served)
