@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvtier.config import LinkConfig, ManagerConfig
-from kvtier.kv.chunk import Chunk, ChunkRef
+from kvtier.kv.chunk import Chunk, ChunkRef, chunk_refs
 from kvtier.kv.keys import KeyHasher, Namespace
 from kvtier.kv.layout import KVLayout
 from kvtier.manager_stats import RECOMPUTE_CAUSES, LookupResult, ManagerStats
@@ -171,10 +171,7 @@ class KVManager:
     def refs_for(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> list[ChunkRef]:
         """References of every full chunk of ``token_ids`` (a partial tail has none), keyed
         under the tenant ``salt`` (empty: the shared namespace)."""
-        ids = np.asarray(token_ids, dtype=np.int64)
-        size = self.layout.chunk_tokens
-        keys = self.hasher.chain(ids, salt)
-        return [ChunkRef.of(key, ids[i * size : (i + 1) * size]) for i, key in enumerate(keys)]
+        return chunk_refs(self.hasher, token_ids, salt)
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray, salt: str = "") -> LookupResult:
         """The longest prefix of ``token_ids`` whose chunks are all cached in some tier,

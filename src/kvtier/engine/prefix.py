@@ -13,7 +13,7 @@ import logging
 from kvtier.engine.metrics import EngineMetrics
 from kvtier.engine.sequence import Sequence
 from kvtier.manager import KVManager, LookupResult
-from kvtier.runtime import SequenceKV, prefix_limit
+from kvtier.runtime import SequenceKV
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ class PrefixMatcher:
     def __init__(self, manager: KVManager, metrics: EngineMetrics) -> None:
         self.manager = manager
         self.metrics = metrics
-        self.chunk_tokens = manager.layout.chunk_tokens
 
     def prefetch(self, seq: Sequence, step: int) -> None:
         """Once per wait, with a tier below host: look the prefix up (the match stays on
@@ -45,7 +44,7 @@ class PrefixMatcher:
         if manager.disk is None:
             return  # nothing to move up: admission makes the one lookup
         try:
-            match = self._lookup(seq, prefix_limit(len(seq.ids), self.chunk_tokens), step)
+            match = self._lookup(seq, self.manager.layout.prefix_limit(len(seq.ids)), step)
             host = manager.host.name
             todo = [r for r, tier in zip(match.refs, match.tiers, strict=True) if tier != host]
             # Never blocks the worker: what the link has no room for loads at admission.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvtier.kv.keys import ChunkKey
+from kvtier.kv.keys import ChunkKey, KeyHasher
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,14 @@ class Chunk:
     @property
     def key(self) -> ChunkKey:
         return self.ref.key
+
+
+def chunk_refs(
+    hasher: KeyHasher, token_ids: Sequence[int] | np.ndarray, salt: str = ""
+) -> list[ChunkRef]:
+    """References of every full chunk of ``token_ids`` (a partial tail has none), keyed
+    under the tenant ``salt`` (empty: the shared namespace). Pure."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    size = hasher.chunk_tokens
+    keys = hasher.chain(ids, salt)
+    return [ChunkRef.of(key, ids[i * size : (i + 1) * size]) for i, key in enumerate(keys)]

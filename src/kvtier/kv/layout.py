@@ -74,6 +74,11 @@ class KVLayout:
             chunk_tokens=chunk_tokens,
         )
 
+    def prefix_limit(self, num_tokens: int) -> int:
+        """The most tokens of a ``num_tokens`` prompt a prefix hit can cover: whole chunks,
+        leaving at least the last token to compute (the model needs it for the logits)."""
+        return ((num_tokens - 1) // self.chunk_tokens) * self.chunk_tokens
+
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()

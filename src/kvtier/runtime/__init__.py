@@ -14,7 +14,7 @@ from kvtier.runtime.dispatch import attend, attend_packed
 from kvtier.runtime.groups import LayerGroup, layer_groups
 from kvtier.runtime.plan import ChunkRange, Decision, ForwardPlan
 from kvtier.runtime.seats import SeatSlab
-from kvtier.runtime.sequence import SequenceKV, prefix_limit
+from kvtier.runtime.sequence import SequenceKV
 from kvtier.runtime.stats import CacheStats
 from kvtier.runtime.view import LayerKV, PackedKV
 
@@ -32,5 +32,4 @@ __all__ = [
     "attend",
     "attend_packed",
     "layer_groups",
-    "prefix_limit",
 ]

@@ -42,12 +42,6 @@ from kvtier.tiers.pool import PoolTier
 from kvtier.transfer import LinkStats
 
 
-def prefix_limit(num_tokens: int, chunk_tokens: int) -> int:
-    """The most tokens of a ``num_tokens`` prompt a prefix hit can cover: whole chunks,
-    leaving at least the last token to compute (the model needs it for the logits)."""
-    return ((num_tokens - 1) // chunk_tokens) * chunk_tokens
-
-
 class SequenceKV:
     """The KV of ``rows`` sequences that advance together (the engine uses one row).
 
@@ -271,8 +265,8 @@ class SequenceKV:
     # ---- sequences ----------------------------------------------------------------------
 
     def prefix_limit(self, num_tokens: int) -> int:
-        """``prefix_limit`` for this sequence's chunk size."""
-        return prefix_limit(num_tokens, self.layout.chunk_tokens)
+        """``KVLayout.prefix_limit`` of this sequence's layout."""
+        return self.layout.prefix_limit(num_tokens)
 
     def reuse_prefix(
         self,

@@ -1,0 +1,114 @@
+"""``kv_connector_extra_config`` onto kvtier's frozen config: ``manager_config``.
+
+The keys a vLLM user sets, with kvtier serve's flag of the same meaning::
+
+    key               flag                default      meaning
+    host_mb           --host-mb           4096         host DRAM tier, MiB
+    disk_dir          --disk-dir          (none)       a disk tier in this folder
+    disk_mb           --disk-mb           32768        its size cap, MiB
+    remote            --remote            (none)       redis:// URL of the shared tier
+    remote_prefix     --remote-prefix     "kvtier"     key prefix there
+    remote_ttl_s      --remote-ttl-s      86400        chunks expire after this (0: never)
+    remote_timeout_s  --remote-timeout-s  0.5          a call gives up after this
+    remote_mb         --remote-mb         65536        this instance's cap there, MiB
+    salt              (tenant salt)       ""           KV is never shared across salts
+    write_policy      --write-policy      write_back   write_through: down on seal
+    chunk_tokens      --chunk-tokens      256          tokens per chunk (a multiple of
+                                                       vLLM's block size)
+
+An unknown key or a bad value raises ``ValueError`` naming the key and what it accepts.
+Pure functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvtier.config import (
+    WRITE_POLICIES,
+    DiskConfig,
+    HostConfig,
+    LowerTierConfig,
+    ManagerConfig,
+    MiB,
+    RemoteConfig,
+)
+from kvtier.validate import check_int, check_number
+
+PREFIX = "kv_connector_extra_config"
+
+DEFAULTS: dict[str, Any] = {
+    "host_mb": 4096,
+    "disk_dir": None,
+    "disk_mb": 32768,
+    "remote": None,
+    "remote_prefix": "kvtier",
+    "remote_ttl_s": 24 * 3600.0,
+    "remote_timeout_s": 0.5,
+    "remote_mb": 65536,
+    "salt": "",
+    "write_policy": "write_back",
+    "chunk_tokens": 256,
+}
+
+
+def _error(name: str, message: str) -> Exception:
+    return ValueError(f"{PREFIX}.{name}: {message}")
+
+
+def _text(values: Mapping[str, Any], key: str, optional: bool) -> None:
+    value = values[key]
+    if (value is None and optional) or isinstance(value, str):
+        return
+    raise _error(key, f"must be a string{' or null' if optional else ''}, got {value!r}")
+
+
+def manager_config(extra: Mapping[str, Any] | None) -> ManagerConfig:
+    """The manager config ``extra`` asks for (``DEFAULTS`` for what it leaves out).
+
+    Raises:
+        ValueError: an unknown key or a bad value (one line: ``kv_connector_extra_config.
+            KEY: …``).
+    """
+    unknown = sorted(set(extra or {}) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"{PREFIX}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: "
+            + ", ".join(DEFAULTS)
+        )
+    values = {**DEFAULTS, **(extra or {})}
+    for key in ("host_mb", "disk_mb", "remote_mb", "chunk_tokens"):
+        check_int(key, values[key], 1, error=_error)
+    check_number("remote_ttl_s", values["remote_ttl_s"], 0.0, error=_error)
+    check_number("remote_timeout_s", values["remote_timeout_s"], 0.001, error=_error)
+    for key, optional in (("disk_dir", True), ("remote", True), ("remote_prefix", False)):
+        _text(values, key, optional)
+    _text(values, "salt", False)
+    if values["write_policy"] not in WRITE_POLICIES:
+        raise _error(
+            "write_policy", f"unknown {values['write_policy']!r}; accepted: {list(WRITE_POLICIES)}"
+        )
+    lower: list[LowerTierConfig] = []
+    if values["disk_dir"] is not None:
+        lower.append(DiskConfig(path=values["disk_dir"], capacity_bytes=values["disk_mb"] * MiB))
+    if values["remote"] is not None:
+        lower.append(
+            RemoteConfig(
+                url=values["remote"],
+                key_prefix=values["remote_prefix"],
+                ttl_s=values["remote_ttl_s"] or None,
+                timeout_s=values["remote_timeout_s"],
+                capacity_bytes=values["remote_mb"] * MiB,
+            )
+        )
+    try:
+        return ManagerConfig(
+            chunk_tokens=values["chunk_tokens"],
+            write_policy=values["write_policy"],
+            tenant_salt=values["salt"],
+            host=HostConfig(capacity_bytes=values["host_mb"] * MiB),
+            lower_tiers=tuple(lower),
+        )
+    except ValueError as exc:  # a tier's own check (e.g. a URL it cannot parse)
+        raise ValueError(f"{PREFIX}: {exc}") from None
