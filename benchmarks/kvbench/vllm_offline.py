@@ -54,7 +54,11 @@ def main():
             print("VLLM_RESULT " + json.dumps({"reset": llm.reset_prefix_cache()}), flush=True)
             continue
         params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
-        prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+        salts = job.get("salts") or [None] * len(job["prompts"])
+        prompts = [
+            {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+            for ids, salt in zip(job["prompts"], salts)
+        ]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.perf_counter() - start
@@ -152,9 +156,12 @@ class OfflineWorker:
         answer = self.generate(prompts, max_tokens)
         return float(answer["wall_s"]), [list(t) for t in answer["tokens"]]
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-        """``run``'s answer whole: ``wall_s``, ``tokens`` and ``cached`` (per prompt)."""
-        return self._ask({"prompts": prompts, "max_tokens": max_tokens})
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, salts: list[str] | None = None
+    ) -> dict[str, Any]:
+        """``run``'s answer whole: ``wall_s``, ``tokens`` and ``cached`` (per prompt);
+        ``salts``: each prompt's ``cache_salt`` (vLLM's tenant isolation)."""
+        return self._ask({"prompts": prompts, "max_tokens": max_tokens, "salts": salts})
 
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's own prefix cache (a connector's tiers keep theirs)."""
