@@ -5,6 +5,7 @@ connector under real vLLM is tested in ``test_connector.py``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from kvtier.config import DiskConfig, HostConfig, ManagerConfig, RemoteConfig
 from kvtier.kv import Chunk, KVLayout
 from kvtier.manager import KVManager
-from kvtier.vllm.lookup import LookupClient, LookupServer
+from kvtier.vllm.lookup import LookupClient, LookupServer, socket_address
 from kvtier.vllm.paged import PagedLayout, UnsupportedPagingError, gather_chunk, scatter_layer
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import manager_config
@@ -243,16 +244,17 @@ def test_layer_names_and_a_short_register_are_checked() -> None:
 # ---- lookups across processes -----------------------------------------------------------------
 
 
-def test_the_scheduler_asks_the_workers_tiers_over_a_socket(tmp_path: Path) -> None:
+def test_the_scheduler_asks_the_workers_tiers_over_a_socket() -> None:
     ids = np.arange(48)
     with manager() as m:
         m.store(random_chunks(m, ids[:32]))
-        server = LookupServer(m, tmp_path / "l.sock")
-        client = LookupClient(tmp_path / "l.sock")
+        address = socket_address(f"test-{os.getpid()}")
+        server = LookupServer(m, address)
+        client = LookupClient(address)
         try:
             assert client.held_tiers(ids, "") == ["host", "host"]
             assert client.held_tiers(ids, "other tenant") == []
         finally:
             client.close()
             server.close()
-        assert LookupClient(tmp_path / "l.sock").held_tiers(ids, "") == []  # gone: a miss
+        assert LookupClient(address).held_tiers(ids, "") == []  # gone: a miss

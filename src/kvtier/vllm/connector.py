@@ -40,7 +40,7 @@ from kvtier.kv.keys import KeyHasher, Namespace
 from kvtier.kv.layout import KVLayout
 from kvtier.manager import KVManager
 from kvtier.vllm.identity import vllm_model_id
-from kvtier.vllm.lookup import LookupClient, LookupServer, socket_path
+from kvtier.vllm.lookup import LookupClient, LookupServer, socket_address
 from kvtier.vllm.metadata import StepPlan
 from kvtier.vllm.paged import PagedLayout
 from kvtier.vllm.scheduler_side import SchedulerSide
@@ -98,7 +98,7 @@ class KvtierConnector(KVConnectorBase_V1):
         block_size = int(vllm_config.cache_config.block_size)
         paged = PagedLayout(layout, block_size)
         model_id = vllm_model_id(model.model, getattr(model, "revision", None))
-        lookups = socket_path(str(transfer.engine_id))
+        lookups = socket_address(str(transfer.engine_id))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._client: LookupClient | None = None

@@ -3,7 +3,8 @@
 vLLM runs its scheduler and its worker in different processes (the CPU backend does even
 with one worker), and the tiers, the host tier above all, live with the worker, which loads
 and saves the chunks. So the worker serves lookups on a Unix socket named by vLLM's
-``engine_id`` (shared by both sides), and the scheduler asks it once per new request: the
+``engine_id`` (shared by both sides; on Linux in the abstract namespace, so no file is
+left behind by a killed worker), and the scheduler asks it once per new request: the
 answer is where the prompt's leading chunks are, exactly as the worker will find them.
 
 Wire: each message is a 4-byte big-endian length and a JSON body. Ask ``{"ids": [...],
@@ -22,6 +23,7 @@ import logging
 import socket
 import socketserver
 import struct
+import sys
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -36,10 +38,18 @@ _HEADER = struct.Struct(">I")
 TIMEOUT_S = 5.0
 
 
-def socket_path(engine_id: str) -> Path:
-    """Where the worker of vLLM engine ``engine_id`` serves lookups."""
-    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:40]
-    return Path(tempfile.gettempdir()) / f"kvtier-vllm-{safe}.sock"
+def socket_address(engine_id: str) -> str:
+    """Where the worker of vLLM engine ``engine_id`` serves lookups: an abstract socket
+    name on Linux, a file in the temporary folder elsewhere."""
+    name = "kvtier-vllm-" + "".join(c for c in engine_id if c.isalnum() or c in "-_")[:40]
+    if sys.platform.startswith("linux"):
+        return "\0" + name
+    return str(Path(tempfile.gettempdir()) / f"{name}.sock")
+
+
+def _unlink(address: str) -> None:
+    if not address.startswith("\0"):
+        Path(address).unlink(missing_ok=True)
 
 
 def _send(sock: socket.socket, body: dict[str, Any]) -> None:
@@ -67,12 +77,12 @@ def _read_exact(sock: socket.socket, nbytes: int) -> bytes | None:
 
 
 class LookupServer:
-    """Answers lookups against ``manager`` on ``path`` (a daemon thread; ``close`` stops
-    it and removes the socket file)."""
+    """Answers lookups against ``manager`` at ``address`` (a daemon thread; ``close``
+    stops it and removes a socket file)."""
 
-    def __init__(self, manager: KVManager, path: Path) -> None:
-        self.path = path
-        path.unlink(missing_ok=True)
+    def __init__(self, manager: KVManager, address: str) -> None:
+        self.address = address
+        _unlink(address)  # a file a killed worker left
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
@@ -80,7 +90,7 @@ class LookupServer:
                     hit = manager.lookup(ask["ids"], ask.get("salt", ""))
                     _send(self.request, {"tiers": hit.tiers})
 
-        self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
+        self._server = socketserver.ThreadingUnixStreamServer(address, Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="kvtier-lookup", daemon=True
@@ -90,14 +100,14 @@ class LookupServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self.path.unlink(missing_ok=True)
+        _unlink(self.address)
 
 
 class LookupClient:
-    """Asks the ``LookupServer`` at ``path``; reconnects on the next ask after a failure."""
+    """Asks the ``LookupServer`` at ``address``; reconnects on the next ask after a failure."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, address: str) -> None:
+        self.address = address
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._warned = False
@@ -110,7 +120,7 @@ class LookupClient:
                 if self._sock is None:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                     self._sock.settimeout(TIMEOUT_S)
-                    self._sock.connect(str(self.path))
+                    self._sock.connect(self.address)
                 _send(self._sock, {"ids": [int(t) for t in token_ids], "salt": salt})
                 answer = _receive(self._sock)
                 if answer is None:
@@ -123,7 +133,7 @@ class LookupClient:
                     log.warning(
                         "kvtier connector: cannot ask the worker at %s (%s); prompts miss "
                         "until it answers",
-                        self.path,
+                        self.address.lstrip("\0"),
                         exc,
                     )
                 return []

@@ -96,9 +96,20 @@ class WorkerSide:
             outcomes = self.manager.promote(refs) if refs else []
             pinned = self.manager.host.pin(refs)
             ok = True
-            for chunk, outcome, held in zip(load.chunks, outcomes, pinned, strict=True):
+            for i, (chunk, outcome, held) in enumerate(
+                zip(load.chunks, outcomes, pinned, strict=True)
+            ):
                 view = self.manager.host.view(chunk.ref) if held else None
-                ok = ok and outcome == "host" and view is not None
+                if ok and (outcome != "host" or view is None):
+                    ok = False
+                    log.warning(
+                        "kvtier: request %s: chunk %d of %d not loaded (%s); vLLM recomputes "
+                        "from there",
+                        load.request_id,
+                        i + 1,
+                        len(load.chunks),
+                        outcome if outcome != "host" else "evicted before it was pinned",
+                    )
                 if ok and view is not None:
                     ids = torch.tensor(chunk.block_ids, dtype=torch.int64)
                     self._pending.append(_Pending(chunk.ref, view, ids, chunk.first_block))
