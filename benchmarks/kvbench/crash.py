@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvbench.common import base_parser, machine_info, print_machine, write_json
-from kvbench.serve import Server, ServerConfig
-from kvbench.serve_client import by_label, scrape_metrics
+from kvbench.common import base_parser, finish, header
+from kvbench.serve_client import by_label, completion_request, scrape_metrics
+from kvbench.server_process import Server, ServerConfig
 
 POLICIES = ("write_through", "write_back")
 WORDS = [
@@ -77,12 +77,7 @@ def complete(port: int, prompt: str, max_tokens: int) -> dict[str, Any]:
     """One greedy completion: its text and usage."""
     model = served_model(port)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=300) as reply:
+    with urllib.request.urlopen(completion_request(port, body), timeout=300) as reply:
         answer = json.loads(reply.read())
     usage = answer["usage"]
     return {
@@ -176,12 +171,7 @@ def stream_started(port: int, prompt: str, max_tokens: int) -> Iterator[None]:
         "ignore_eos": True,
         "stream": True,
     }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=300) as reply:
+    with urllib.request.urlopen(completion_request(port, body), timeout=300) as reply:
         for line in reply:
             if line.startswith(b"data: {"):
                 break  # a token came: the stream is under way
@@ -209,21 +199,19 @@ def tiny_model_folder(folder: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("crash", __doc__.splitlines()[0] if __doc__ else "crash")
+    parser = base_parser("crash", __doc__)
     parser.add_argument(
         "--model", default=None, help="model folder (default: a tiny random llama, built here)"
     )
-    parser.add_argument("--prompts", type=int, default=None, help="distinct prompts (16; quick 4)")
-    parser.add_argument("--words", type=int, default=None, help="words per prompt (200; quick 80)")
+    parser.sized("--prompts", 16, 4, "distinct prompts", type=int)
+    parser.sized("--words", 200, 80, "words per prompt", type=int)
     parser.add_argument("--settle-s", type=float, default=2.5, help="wait before the kill")
     parser.add_argument("--chunk-tokens", type=int, default=16)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk tiers write")
-    args = parser.parse_args(argv)
-    count = args.prompts or (4 if args.quick else 16)
-    words = args.words or (80 if args.quick else 200)
+    args = parser.parse(argv)
+    count, words = args.prompts, args.words
     texts = prompts(count, words, args.seed)
-    info = machine_info({"host<->disk": "real (local disk, fsync on)"})
-    print_machine(info)
+    info = header({"host<->disk": "real (local disk, fsync on)"})
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-crash-") as tmp:
         workdir = Path(tmp)
         model = args.model or tiny_model_folder(workdir / "tiny")
@@ -242,20 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     summary = {f"reused_fraction_{p}": r["reused_fraction"] for p, r in results.items()}
     summary["outputs_identical"] = all(r["outputs_identical"] for r in results.values())
-    write_json(
+    config = {"prompts": count, "words": words, "settle_s": args.settle_s}
+    finish(
         args.json,
-        {
-            "summary": summary,
-            "policies": results,
-            "machine": info,
-            "config": {"prompts": count, "words": words, "settle_s": args.settle_s},
-        },
-    )
-    print(
+        {"summary": summary, "policies": results, "config": config},
+        info,
         f"summary: after kill -9, {summary['reused_fraction_write_through']:.1%} of cacheable "
         f"prompt tokens reused with write_through vs "
         f"{summary['reused_fraction_write_back']:.1%} with write_back; outputs identical "
-        f"{summary['outputs_identical']}"
+        f"{summary['outputs_identical']}",
     )
     return 0
 

@@ -21,41 +21,30 @@ Greedy tokens are compared with the resident baseline's before any speed is repo
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import finish, fmt, header, interleave, median, ratio
 from kvbench.setup import (
-    BenchModel,
+    STAGING_BYTES,
     DecodeRun,
-    StepClock,
-    add_model_args,
-    allocated_nbytes,
+    Workload,
+    budget_bytes_of,
+    decode_dynamic,
+    decode_tiered,
     describe_link,
     link_gbps,
-    load_bench_model,
+    load_bench,
+    model_parser,
+    new_manager,
+    prefill_dynamic,
     random_prompt,
-    setup_device,
-    use_stock_attention,
 )
-from kvtier.config import (
-    HostConfig,
-    LinkConfig,
-    ManagerConfig,
-    PlacementRates,
-    TieredCacheConfig,
-)
-from kvtier.hf.cache import TieredCache
-from kvtier.hf.generate import prefill
-from kvtier.kv.layout import KVLayout
-from kvtier.manager import KVManager
 
 BUDGETS = (0.10, 0.25, 0.50)
 CALIBRATION_BUDGET = 0.25
@@ -64,120 +53,6 @@ CALIBRATION_BUDGET = 0.25
 # f = 1.5 (1.67x at best) shows what overlap buys while the link still sets the pace.
 LINK_BOUND_FACTOR = 1.5
 COMPUTE_BOUND_FACTOR = 0.3
-STAGING_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The model and the prompt every case decodes."""
-
-    bench: BenchModel
-    prompt: torch.Tensor  # [1, S]
-    new_tokens: int
-
-    @property
-    def model(self) -> Any:
-        return self.bench.model
-
-    @property
-    def layout(self) -> KVLayout:
-        return self.bench.layout
-
-    @property
-    def device(self) -> torch.device:
-        return self.bench.device
-
-    @property
-    def final_kv_nbytes(self) -> int:
-        return self.layout.kv_nbytes(self.prompt.shape[1] + self.new_tokens)
-
-    def greedy_kwargs(self) -> dict[str, Any]:
-        return self.bench.greedy_kwargs(self.new_tokens)
-
-
-@torch.no_grad()
-def prefill_dynamic(work: Workload) -> DynamicCache:
-    """The prompt but its last token in a resident ``DynamicCache`` (kept, copied per run)."""
-    use_stock_attention(work.model)
-    cache = DynamicCache(config=work.model.config)
-    ids = work.prompt[:, :-1].to(work.device)
-    work.model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return cache
-
-
-def decode_dynamic(work: Workload, prefilled: DynamicCache | None) -> DecodeRun:
-    """Resident baseline (from a copy of ``prefilled``), or ``offloading=True`` when None."""
-    use_stock_attention(work.model)
-    clock = StepClock(lambda: (0, 0.0), work.device, allocated_nbytes(work.device))
-    if prefilled is not None:
-        cache = copy.deepcopy(prefilled)
-    else:
-        cache = DynamicCache(config=work.model.config, offloading=True)
-    ids = work.prompt.to(work.device)
-    out = work.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        cache=cache,
-        streamer=clock,
-        **work.greedy_kwargs(),
-    )
-    del cache
-    return clock.run(out, ids.shape[1])
-
-
-def new_manager(work: Workload) -> KVManager:
-    """A host tier holding the whole context (the KV every kvtier case streams from)."""
-    layout = work.layout
-    host_nbytes = work.final_kv_nbytes + 4 * layout.chunk_nbytes
-    config = ManagerConfig(
-        chunk_tokens=layout.chunk_tokens, host=HostConfig(capacity_bytes=host_nbytes)
-    )
-    return KVManager(layout, work.bench.model_id, config)
-
-
-def decode_tiered(
-    work: Workload,
-    manager: KVManager,
-    budget_bytes: int,
-    gbps: float | None,
-    prefetch: bool,
-    staging_bytes: int = STAGING_BYTES,
-    placement: str = "stream",
-    rates: PlacementRates | None = None,
-) -> DecodeRun:
-    """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode.
-    ``placement`` (and ``rates`` for ``auto``) say where the chunks past the budget are
-    attended; the run records the chunk reads by decision."""
-    start_allocated = allocated_nbytes(work.device)
-    config = TieredCacheConfig(
-        device_budget_bytes=budget_bytes,
-        staging_bytes=staging_bytes,
-        prefetch=prefetch,
-        link=LinkConfig(gbps=gbps),
-        placement=placement,
-        rates=rates,
-    )
-    cache = TieredCache(work.model, config, manager=manager, model_id=work.bench.model_id)
-    try:
-        ids = work.prompt.to(work.device)
-        reused = prefill(work.model, cache, ids)
-
-        def link_counters() -> tuple[int, float]:
-            link = cache.stats().link
-            return link.bytes, link.wait_s
-
-        clock = StepClock(link_counters, work.device, start_allocated)
-        out = work.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            cache=cache,
-            streamer=clock,
-            **work.greedy_kwargs(),
-        )
-        run = clock.run(out, ids.shape[1], reused)
-        return dataclasses.replace(run, decided_chunks=cache.stats().decided_chunks)
-    finally:
-        cache.close()
 
 
 @dataclass(frozen=True)
@@ -193,11 +68,6 @@ class Case:
     prefetch: bool = True
     staging_bytes: int = STAGING_BYTES
     on_host: bool = False  # the chunks past the budget attended in the host pool
-
-
-def budget_bytes_of(work: Workload, fraction: float) -> int:
-    """``fraction`` of the final KV, at least the one tail chunk the cache needs."""
-    return max(int(fraction * work.final_kv_nbytes), work.layout.chunk_nbytes)
 
 
 def offloading_equal_budget(work: Workload) -> tuple[int, int] | None:
@@ -340,7 +210,7 @@ def run(
         notes,
     )
 
-    def measure(case: Case) -> DecodeRun:
+    def measure(case: Case, _round: int) -> DecodeRun:
         if case.kind == "resident":
             return decode_dynamic(work, prefilled)
         if case.kind == "offloading":
@@ -356,10 +226,7 @@ def run(
             "host" if case.on_host else "stream",
         )
 
-    runs: dict[str, list[DecodeRun]] = {c.name: [] for c in cases}
-    for _ in range(repeats):  # interleaved: A B C … A B C …
-        for case in cases:
-            runs[case.name].append(measure(case))
+    runs = interleave({c.name: partial(measure, c) for c in cases}, repeats)
     manager.close()
 
     calibration_compute_step = compute_step
@@ -441,10 +308,6 @@ def headline(results: dict[str, dict[str, Any]], compute_step: float) -> dict[st
     def step(name: str) -> float:
         return float(results[name]["step_s"]) if name in results else math.nan
 
-    def ratio(num: float, den: float) -> float | None:
-        value = num / den
-        return value if math.isfinite(value) else None
-
     b = f"{CALIBRATION_BUDGET:.0%}"
     link_bound = results.get(f"kvtier {b} link-bound", {})
     return {
@@ -465,11 +328,6 @@ def headline(results: dict[str, dict[str, Any]], compute_step: float) -> dict[st
         "resident_step_ms": compute_step * 1e3 if math.isfinite(compute_step) else None,
         "tokens_identical": all(r["tokens_identical"] for r in results.values()),
     }
-
-
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    """``value`` formatted, or ``n/a`` when the run had no such figure."""
-    return "n/a" if value is None else format(value, spec)
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
@@ -495,21 +353,14 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("decode", __doc__.splitlines()[0] if __doc__ else "decode")
-    add_model_args(parser)
-    parser.add_argument(
-        "--context", type=int, default=None, help="prompt tokens (4096; quick 2048)"
-    )
-    parser.add_argument("--new-tokens", type=int, default=None, help="decoded (16; quick 6)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (2; quick 1)")
-    args = parser.parse_args(argv)
-    context = args.context or (2048 if args.quick else 4096)
-    new_tokens = args.new_tokens or (6 if args.quick else 16)
-    repeats = args.repeats or (1 if args.quick else 2)
-    if context < 512 or new_tokens < 3 or repeats < 1:
-        raise ValueError("--context >= 512, --new-tokens >= 3 and --repeats >= 1 are needed")
-    device = setup_device(args)
-    bench = load_bench_model(args, device, context + new_tokens)
+    parser = model_parser("decode", __doc__)
+    parser.sized("--context", 4096, 2048, "prompt tokens", type=int, minimum=512)
+    parser.sized("--new-tokens", 16, 6, "decoded", type=int, minimum=3)
+    parser.sized("--repeats", 2, 1, "interleaved rounds", type=int, minimum=1)
+    args = parser.parse(argv)
+    context, new_tokens, repeats = args.context, args.new_tokens, args.repeats
+    bench = load_bench(args, context + new_tokens)
+    device = bench.device
     prompt = random_prompt(int(bench.model.config.vocab_size), context, args.seed)
     work = Workload(bench, prompt, new_tokens)
     real_gbps, real_desc = link_gbps(device)
@@ -517,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured": f"{real_desc}: {real_gbps:.2f} GB/s",
         "kvtier unthrottled": describe_link(None, device),
     }
-    info = machine_info(links)
-    print_machine(info)
+    info = header(links)
     print(
         f"model: {bench.description}; context {context} + {new_tokens} new tokens; "
         f"final KV {work.final_kv_nbytes / 1e6:.1f} MB; repeats {repeats}"
@@ -528,20 +378,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("link-bound", "compute-bound"):
         gbps = result["calibration"][name.replace("-", "_") + "_gbps"]
         links[f"kvtier {name}"] = describe_link(gbps, device)
-    result["machine"] = info
     print_table(result["cases"])
     for note in result["notes"]:
         print(f"note: {note}")
-    write_json(args.json, result)
     s = result["summary"]
     offloading = ""
     if s["offloading_vs_kvtier_equal_mem"] is not None:
         offloading = f", offloading step {fmt(s['offloading_vs_kvtier_equal_mem'])}x kvtier's"
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: link-bound efficiency {fmt(s['link_bound_efficiency'])}, "
         f"{fmt(s['speedup_vs_no_prefetch'])}x vs no prefetch, compute-bound step "
         f"{fmt(s['compute_bound_vs_resident'])}x resident{offloading}, tokens identical "
-        f"{s['tokens_identical']}"
+        f"{s['tokens_identical']}",
     )
     return 0
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import faults_disk
-from kvbench.common import base_parser, machine_info, print_machine, write_json
+from kvbench.common import base_parser, finish, header
 from kvbench.fault_bench import Bench, score, serve_one
 from kvbench.redis_cluster import RedisCluster
 from kvtier.engine import Engine, EngineConfig
@@ -95,11 +95,7 @@ def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         recovered_s = time.perf_counter() - back
     last = (bench.prompts * 4)[len(tries) - 1]
     later = bench.serve(config, [last])  # a new instance reads what was written
-    added = [
-        d["ttft_s"] - u["ttft_s"]
-        for d, u in zip(runs_down, runs_up, strict=True)
-        if d["ttft_s"] is not None and u["ttft_s"] is not None
-    ]
+    added = _added_latency(runs_down, runs_up)
     lost = sum(r["tokens"] is None for r in runs_up + runs_down + tries + later)
     wrong = score(bench, [*tries, *later], [*(bench.prompts * 4)[: len(tries)], last])["wrong"]
     return {
@@ -108,7 +104,7 @@ def cluster_down(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         "wrong": wrong,
         "recovered": bool(wrote > 0 and later[0]["reused"] > 0),
         "recovered_after_s": recovered_s,
-        "worst_added_latency_s": max(added) if added else None,
+        "worst_added_latency_s": added,
         "ttft_up_s": [r["ttft_s"] for r in runs_up],
         "ttft_down_s": [r["ttft_s"] for r in runs_down],
     }
@@ -133,17 +129,12 @@ def cluster_paused(bench: Bench, cluster: RedisCluster, pause_s: float = 12.0) -
                 break  # the pause is about to end: what follows would not be paused
             runs_paused.append(serve_one(engine, p))
     time.sleep(max(0.0, until - time.perf_counter()))
-    added = [
-        d["ttft_s"] - u["ttft_s"]
-        for d, u in zip(runs_paused, runs_up, strict=False)
-        if d["ttft_s"] is not None and u["ttft_s"] is not None
-    ]
     lost = sum(r["tokens"] is None for r in runs_up + runs_paused)
     return {
         "requests": len(runs_up) + len(runs_paused),
         "lost": lost,
         "wrong": 0,  # fresh prompts: no fault-free reference; they must only complete
-        "worst_added_latency_s": max(added) if added else None,
+        "worst_added_latency_s": _added_latency(runs_paused, runs_up),
         "ttft_up_s": [r["ttft_s"] for r in runs_up],
         "ttft_paused_s": [r["ttft_s"] for r in runs_paused],
     }
@@ -172,6 +163,17 @@ def corrupt_values(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
         runs = [serve_one(engine, p) for p in bench.prompts]
         corrupt = engine.manager.tier("remote").stats().corrupt_dropped
     return {**score(bench, runs, bench.prompts), "damaged": damaged, "detected": corrupt}
+
+
+def _added_latency(faulty: list[dict[str, Any]], up: list[dict[str, Any]]) -> float | None:
+    """The most a request's TTFT during the fault exceeds the same-length one's while up
+    (pairs in order; None: no pair has both)."""
+    added = [
+        d["ttft_s"] - u["ttft_s"]
+        for d, u in zip(faulty, up, strict=False)
+        if d["ttft_s"] is not None and u["ttft_s"] is not None
+    ]
+    return max(added) if added else None
 
 
 def _prefix() -> str:
@@ -228,32 +230,29 @@ def run_all(bench: Bench, cluster: RedisCluster) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("faults", __doc__.splitlines()[0] if __doc__ else "faults")
-    parser.add_argument(
-        "--prompts", type=int, default=None, help="prompts per scenario (4; quick 2)"
-    )
-    parser.add_argument("--context", type=int, default=None, help="prompt tokens (1024; quick 512)")
-    args = parser.parse_args(argv)
+    parser = base_parser("faults", __doc__)
+    parser.sized("--prompts", 4, 2, "prompts per scenario", type=int)
+    parser.sized("--context", 1024, 512, "prompt tokens", type=int)
+    args = parser.parse(argv)
     from kvtier.models import load_model
 
-    count = args.prompts or (2 if args.quick else 4)
-    context = args.context or (512 if args.quick else 1024)
-    info = machine_info({})
-    print_machine(info)
+    count, context = args.prompts, args.context
+    info = header()
     loaded = load_model()
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, 30000) for _ in range(context)] for _ in range(count)]
     bench = Bench(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=1), prompts)
     with RedisCluster.start(masters=3, replicas=1) as cluster:
         result = run_all(bench, cluster)
-    result["machine"] = info
     result["config"] = {"prompts": count, "context": context}
-    write_json(args.json, result)
     s = result["summary"]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: lost {s['lost_requests']}, wrong {s['wrong_outputs']}, recovered after "
         f"cluster restart {s['recovered_after_cluster_restart']}, worst added latency while "
-        f"down {s['worst_added_latency_down_s']:.3f} s (timeout {s['timeout_s']} s)"
+        f"down {s['worst_added_latency_down_s']:.3f} s (timeout {s['timeout_s']} s)",
     )
     return 0
 

@@ -31,10 +31,9 @@ from typing import Any
 
 import psutil
 
-from kvbench.common import base_parser, machine_info, print_machine, write_json
-from kvbench.peer_runs import kvtier_server
-from kvbench.serve_client import MODEL_NAME
-from kvbench.server_process import HttpServer
+from kvbench.common import base_parser, finish, header
+from kvbench.serve_client import MODEL_NAME, completion_request
+from kvbench.server_process import HttpServer, ServerConfig, kvtier_server
 
 MiB = 1 << 20
 WORDS = ["river", "stone", "lamp", "orbit", "cedar", "violet", "harbor", "copper", "meadow"]
@@ -69,14 +68,15 @@ class Settings:
     threads: int = 1
 
     def flags(self, model: str | None) -> list[str]:
-        flags = [
-            *("--host-mb", str(self.host_mb)),
-            *("--device-budget-mb", str(self.device_budget_mb)),
-            *("--max-batch-size", str(self.max_batch_size)),
-            *("--max-queue-s", str(self.max_queue_s)),
-            *("--chunk-tokens", str(self.chunk_tokens)),
-            *("--max-queued", str(max(64, self.flood))),
-        ]
+        sizes = ServerConfig(
+            "flood",
+            self.device_budget_mb,
+            self.max_batch_size,
+            self.host_mb,
+            self.chunk_tokens,
+            max_queued=max(64, self.flood),
+        )
+        flags = [*sizes.flags(None), "--max-queue-s", str(self.max_queue_s)]
         return flags + (["--model", model] if model is not None else [])
 
     @property
@@ -92,11 +92,7 @@ def prompt(words: int, seed: int) -> str:
 def post(port: int, text: str, max_tokens: int, timeout_s: float = 600) -> Answer:
     """One greedy completion over plain HTTP (a 429 is an answer, not an error)."""
     body = {"model": MODEL_NAME, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps({**body, "ignore_eos": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+    request = completion_request(port, {**body, "ignore_eos": True})
     start = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
@@ -214,31 +210,31 @@ def run(model: str | None, s: Settings, workdir: Path, seed: int) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("flood", __doc__.splitlines()[0] if __doc__ else "flood")
+    parser = base_parser("flood", __doc__)
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
     parser.add_argument("--flood", type=int, default=None, help="long prompts at once (48)")
     parser.add_argument("--max-queue-s", type=float, default=30.0, help="the server's bound")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
     s = Settings(max_queue_s=args.max_queue_s)
     if args.quick:
         s = Settings(max_queue_s=args.max_queue_s, steady=4, flood=16, flood_words=600)
     if args.flood is not None:
         s = Settings(**{**asdict(s), "flood": args.flood})
-    info = machine_info({})
-    print_machine(info)
+    info = header()
     with tempfile.TemporaryDirectory(prefix="kvtier-flood-") as tmp:
         result = run(args.model, s, Path(tmp), args.seed)
-    result["machine"] = info
-    write_json(args.json, result)
     summary = result["summary"]
     memory = result["memory"]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"flood of {s.flood}: {summary['served']} served, {summary['refused']} refused (429, "
         f"Retry-After {result['flood']['retry_after_s'][:1] or '-'}…); memory +"
         f"{summary['rss_growth_mb']:.0f} MiB of {memory['allowed_growth_mb']:.0f} allowed; "
         f"throughput {result['before']['output_tps']:.1f} tok/s before, "
         f"{result['after']['output_tps']:.1f} after "
-        f"({summary['throughput_after_vs_before']:.2f}x)"
+        f"({summary['throughput_after_vs_before']:.2f}x)",
     )
     ok = summary["only_200_or_429"] and summary["every_429_has_retry_after"]
     return 0 if ok and summary["memory_within_budgets"] else 1

@@ -20,15 +20,14 @@ medians. The bound of a one-row step is the weight bytes ÷ the streaming read b
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvbench.peers import read_gbps
+from kvbench.common import base_parser, finish, header, interleave, median, read_gbps, timed
 from kvtier import native
 from kvtier.engine.linear import Linear
 from kvtier.engine.llama import LlamaModel
@@ -50,20 +49,12 @@ def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, Linea
 
 def matmul_cases(
     weights: list[tuple[torch.Tensor, Linear]], rows: int
-) -> dict[str, Callable[[], float]]:
+) -> dict[str, Callable[[int], float]]:
     """The ways to run every projection once on ``rows`` rows (kvtier's ``linear_rows``
     where its CPU kernels are built); each returns seconds."""
     gen = torch.Generator().manual_seed(rows)
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w, _ in weights}
     transposed = [w.t().contiguous() for w, _ in weights]
-
-    def timed(fn: Callable[[], None]) -> Callable[[], float]:
-        def case() -> float:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-
-        return case
 
     def linear() -> None:
         for w, _ in weights:
@@ -78,7 +69,7 @@ def matmul_cases(
             x = inputs[w.shape[1]]
             torch.ops.mkldnn._linear_pointwise(x, packed.pack, packed.bias, "none", [], "")
 
-    cases = {"F.linear": timed(linear), "x @ W[in,out]": timed(in_out), "onednn": timed(onednn)}
+    runs = {"F.linear": linear, "x @ W[in,out]": in_out, "onednn": onednn}
     ops = native.ops()
     if ops is not None:
 
@@ -86,13 +77,18 @@ def matmul_cases(
             for w, _ in weights:
                 ops.linear_rows(inputs[w.shape[1]], w, None)
 
-        cases["kvtier linear_rows"] = timed(rows_kernel)
-    return cases
+        runs["kvtier linear_rows"] = rows_kernel
+    return {name: partial(_seconds, fn) for name, fn in runs.items()}
+
+
+def _seconds(fn: Callable[[], object], _round: int) -> float:
+    """Seconds ``fn`` takes (a case for ``interleave``)."""
+    return timed(fn)
 
 
 def pointwise(
     llama: LlamaModel, intermediate: int, rows: int, compiled: bool
-) -> Callable[[], float]:
+) -> Callable[[int], float]:
     """One layer's pointwise stages on ``rows`` tokens (eager or compiled); seconds."""
     hq, hkv, dim = llama.num_heads, llama.num_kv_heads, llama.head_dim
     layer = llama.layers[0]
@@ -119,13 +115,11 @@ def pointwise(
 
     fn = torch.compile(stages, dynamic=True) if compiled else stages
 
-    def case() -> float:
-        start = time.perf_counter()
+    def twenty() -> None:
         for _ in range(20):
             fn(h, delta, qkv, gate_up)
-        return (time.perf_counter() - start) / 20
 
-    return case
+    return lambda _: timed(twenty) / 20
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -139,25 +133,17 @@ def run(args: Any) -> dict[str, Any]:
     for rows in args.rows:
         cases = matmul_cases(weights, rows)
         for case in cases.values():  # warm
-            case()
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(args.repeats):
-            for name, case in cases.items():
-                times[name].append(case())
+            case(0)
+        times = interleave(cases, args.repeats)
         matmuls[str(rows)] = {name: median(values) * 1e3 for name, values in times.items()}
     point: dict[str, dict[str, float]] = {}
     for rows in args.pointwise_rows:
         width = int(model.config.intermediate_size)
         eager = pointwise(llama, width, rows, compiled=False)
         compiled = pointwise(llama, width, rows, compiled=True)
-        start = time.perf_counter()
-        compiled()  # the first call compiles (or loads from inductor's cache)
-        first_s = time.perf_counter() - start
-        eager()
-        times_pw: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for _ in range(args.repeats):
-            times_pw["eager"].append(eager())
-            times_pw["compiled"].append(compiled())
+        first_s = timed(partial(compiled, 0))  # it compiles (or loads from inductor's cache)
+        eager(0)
+        times_pw = interleave({"eager": eager, "compiled": compiled}, args.repeats)
         point[str(rows)] = {
             "eager_us_per_layer": median(times_pw["eager"]) * 1e6,
             "compiled_us_per_layer": median(times_pw["compiled"]) * 1e6,
@@ -187,18 +173,16 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("kernel_choice", __doc__.splitlines()[0] if __doc__ else "kernel_choice")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser = base_parser("kernel_choice", __doc__)
+    parser.add_argument("--threads", type=int, default=2, minimum=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved runs of each case")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
     args.rows = [1, 16, 256] if args.quick else [1, 4, 16, 64, 256, 1024]
     args.pointwise_rows = [1, 256] if args.quick else [1, 16, 256]
     if args.quick:
         args.repeats = min(args.repeats, 2)
-    info = machine_info({})
-    print_machine(info)
+    info = header()
     result = run(args)
-    result["machine"] = info
     result["args"] = {k: v for k, v in vars(args).items() if k != "json"}
     print(
         f"{'rows':>6}" + "".join(f"{name:>22}" for name in next(iter(result["matmul_ms"].values())))
@@ -216,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
             f"pointwise, {rows} rows: eager {p['eager_us_per_layer']:.0f} us/layer, compiled "
             f"{p['compiled_us_per_layer']:.0f} us/layer (first call {p['first_call_s']:.1f} s)"
         )
-    write_json(args.json, result)
     s = result["summary"]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: oneDNN one-row pass {s['onednn_vs_linear_1_row']:.2f}x faster than F.linear, "
-        f"{s['onednn_one_row_vs_bound']:.2f} of the read bound"
+        f"{s['onednn_one_row_vs_bound']:.2f} of the read bound",
     )
     return 0
 

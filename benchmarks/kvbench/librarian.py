@@ -37,22 +37,19 @@ from typing import Any
 
 import torch
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvbench.decode import (
+from kvbench.common import finish, fmt, header, median, ratio
+from kvbench.setup import (
+    DecodeRun,
     Workload,
     budget_bytes_of,
     decode_dynamic,
     decode_tiered,
+    link_gbps,
+    load_bench,
+    model_parser,
     new_manager,
     prefill_dynamic,
-)
-from kvbench.setup import (
-    DecodeRun,
-    add_model_args,
-    link_gbps,
-    load_bench_model,
     random_prompt,
-    setup_device,
 )
 from kvtier.calibrate import measure_attention
 from kvtier.config import PlacementRates
@@ -261,10 +258,6 @@ def headline(results: dict[str, dict[str, Any]], context: int) -> dict[str, Any]
         key = f"{context} {BUDGETS[0]:.0%} {link}"
         return float(results[key]["step_s"][strategy]) if key in results else math.nan
 
-    def ratio(num: float, den: float) -> float | None:
-        value = num / den
-        return value if math.isfinite(value) else None
-
     return {
         "speedup_vs_stream_only_link_bound": ratio(
             step("link-bound", "stream"), step("link-bound", "auto")
@@ -315,40 +308,29 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("librarian", __doc__.splitlines()[0] if __doc__ else "librarian")
-    add_model_args(parser)
-    parser.add_argument(
-        "--contexts", default=None, help="comma-separated prompt tokens (2048,4096; quick 1024)"
-    )
-    parser.add_argument("--new-tokens", type=int, default=None, help="decoded (16; quick 6)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (3; quick 1)")
-    args = parser.parse_args(argv)
-    contexts = tuple(
-        int(c) for c in (args.contexts or ("1024" if args.quick else "2048,4096")).split(",")
-    )
-    new_tokens = args.new_tokens or (6 if args.quick else 16)
-    repeats = args.repeats or (1 if args.quick else 3)
-    if min(contexts) < 512 or new_tokens < 3 or repeats < 1:
-        raise ValueError("--contexts >= 512, --new-tokens >= 3 and --repeats >= 1 are needed")
-    device = setup_device(args)
-    bench = load_bench_model(args, device, max(contexts) + new_tokens)
-    info = machine_info({})
-    print_machine(info)
+    parser = model_parser("librarian", __doc__)
+    parser.sized("--contexts", "2048,4096", "1024", "comma-separated prompt tokens")
+    parser.sized("--new-tokens", 16, 6, "decoded", type=int, minimum=3)
+    parser.sized("--repeats", 3, 1, "interleaved rounds", type=int, minimum=1)
+    args = parser.parse(argv)
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    new_tokens, repeats = args.new_tokens, args.repeats
+    if min(contexts) < 512:
+        raise ValueError(f"--contexts: each must be >= 512, got {args.contexts}")
+    bench = load_bench(args, max(contexts) + new_tokens)
+    info = header()
     print(f"model: {bench.description}; contexts {contexts} + {new_tokens} new tokens")
     result = run(bench, contexts, new_tokens, repeats, args.seed)
-    result["machine"] = info
     print_table(result["settings"])
-    write_json(args.json, result)
     s = result["summary"]
-
-    def fmt(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.2f}"
-
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: {fmt(s['speedup_vs_stream_only_link_bound'])}x stream-only where the link "
         f"binds, {fmt(s['ratio_vs_stream_only_compute_bound'])}x stream-only's step where "
         f"compute binds, max regret {s['max_regret']:+.1%} over {s['settings']} settings, "
-        f"tokens identical {s['tokens_identical']}"
+        f"tokens identical {s['tokens_identical']}",
     )
     return 0
 

@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
+from kvbench.common import base_parser, finish, header, median
+from kvbench.setup import engine_config
+from kvtier.config import MiB
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.kv import KVLayout
 from kvtier.models import LoadedModel, load_model
@@ -110,13 +111,12 @@ def first_token(engine: Engine, prompt: list[int]) -> tuple[float, list[int], in
 
 def kvtier_config(device_budget_mb: int, host_mb: int) -> EngineConfig:
     """The engine under test: a small per-sequence device budget, a host tier for all users."""
-    return EngineConfig(
-        max_batch_size=MAX_BATCH_SIZE,
+    return engine_config(
+        MAX_BATCH_SIZE,
+        device_budget_mb * MiB,
+        host_mb * MiB,
+        CHUNK_TOKENS,
         prefill_tokens_per_step=PREFILL_TOKENS_PER_STEP,
-        cache=TieredCacheConfig(device_budget_bytes=device_budget_mb * MiB),
-        manager=ManagerConfig(
-            chunk_tokens=CHUNK_TOKENS, host=HostConfig(capacity_bytes=host_mb * MiB)
-        ),
     )
 
 
@@ -128,11 +128,8 @@ def recompute_config(layout: KVLayout, prompt_tokens: int) -> EngineConfig:
     """
     chunks = -(-(prompt_tokens + NEW_TOKENS) // CHUNK_TOKENS) + 2  # + tail and one spare
     nbytes = chunks * layout.chunk_nbytes
-    return EngineConfig(
-        max_batch_size=1,
-        prefill_tokens_per_step=PREFILL_TOKENS_PER_STEP,
-        cache=TieredCacheConfig(device_budget_bytes=nbytes),
-        manager=ManagerConfig(chunk_tokens=CHUNK_TOKENS, host=HostConfig(capacity_bytes=nbytes)),
+    return engine_config(
+        1, nbytes, nbytes, CHUNK_TOKENS, prefill_tokens_per_step=PREFILL_TOKENS_PER_STEP
     )
 
 
@@ -259,11 +256,11 @@ def print_table(rounds: dict[str, dict[str, float]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("multiturn", __doc__.splitlines()[0] if __doc__ else "multiturn")
+    parser = base_parser("multiturn", __doc__)
     add = parser.add_argument
-    add("--users", type=int, default=None, help="users (4; quick 2)")
-    add("--rounds", type=int, default=None, help="rounds per user (4; quick 3)")
-    add("--first-tokens", type=int, default=None, help="round 1 prompt (2048; quick 512)")
+    parser.sized("--users", 4, 2, "users", type=int, minimum=1)
+    parser.sized("--rounds", 4, 3, "rounds per user", type=int, minimum=1)
+    parser.sized("--first-tokens", 2048, 512, "round 1 prompt", type=int, minimum=1)
     add(
         "--message-tokens",
         type=int,
@@ -272,31 +269,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("LO", "HI"),
         help="new user message per round (uniform in [LO, HI]; default 32 96)",
     )
-    add("--device-budget-mb", type=int, default=32, help="kvtier's device budget per sequence")
-    add("--host-mb", type=int, default=1024, help="kvtier's host tier")
+    add(
+        "--device-budget-mb",
+        type=int,
+        default=32,
+        minimum=1,
+        help="kvtier's device budget per sequence",
+    )
+    add("--host-mb", type=int, default=1024, minimum=1, help="kvtier's host tier")
     add("--model", default=None, help="HF model folder or .gguf (default: embedded)")
-    add("--threads", type=int, default=1, help="torch threads")
-    args = parser.parse_args(argv)
-    users = _pick(args.users, 2 if args.quick else 4)
-    rounds = _pick(args.rounds, 3 if args.quick else 4)
-    first_tokens = _pick(args.first_tokens, 512 if args.quick else 2048)
+    add("--threads", type=int, default=1, minimum=1, help="torch threads")
+    args = parser.parse(argv)
+    users, rounds, first_tokens = args.users, args.rounds, args.first_tokens
     lo, hi = args.message_tokens
-    for flag, value in (
-        ("users", users),
-        ("rounds", rounds),
-        ("first-tokens", first_tokens),
-        ("device-budget-mb", args.device_budget_mb),
-        ("host-mb", args.host_mb),
-        ("threads", args.threads),
-    ):
-        if value < 1:
-            raise ValueError(f"--{flag}: must be >= 1, got {value}")
     if not 1 <= lo <= hi:
         raise ValueError(f"--message-tokens: need 1 <= LO <= HI, got {lo} {hi}")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    info = machine_info()
-    print_machine(info)
+    info = header()
     ours = load_model(args.model)
     baseline = load_model(args.model)  # a second copy of the weights for the recompute
     longest = first_tokens + (rounds - 1) * (NEW_TOKENS + hi) + NEW_TOKENS
@@ -353,21 +343,17 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "threads": args.threads,
         },
-        "machine": info,
     }
-    write_json(args.json, result)
     speedup = summary["ttft_speedup_round2"]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: ttft_speedup_round2 {speedup:.1f}x (median recompute ÷ kvtier TTFT over "
         f"rounds >= 2); reused from {summary['reused_tokens_by_tier_round2']}; tokens identical "
-        f"{summary['tokens_identical']}"
+        f"{summary['tokens_identical']}",
     )
     return 0
-
-
-def _pick(value: int | None, default: int) -> int:
-    """A flag's value, or its (quick or full) default when it was not given."""
-    return default if value is None else value
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import base_parser, finish, header, interleave, median
 from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.kv import KVLayout
@@ -104,11 +104,11 @@ def run(context: int, repeats: int, seed: int) -> dict[str, Any]:
             ),
             "overlap": lambda i: ttft(loaded, throttled, prompt, ""),
         }
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
-        for i in range(repeats):
-            for name, case in cases.items():
-                runs[name].append(case(i))
-                print(f"round {i + 1}/{repeats} {name:<9} {runs[name][-1]['ttft_s']:.2f} s")
+
+        def progress(i: int, name: str, run: dict[str, Any]) -> None:
+            print(f"round {i + 1}/{repeats} {name:<9} {run['ttft_s']:.2f} s")
+
+        runs = interleave(cases, repeats, progress)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     ttfts = {name: median([r["ttft_s"] for r in rs]) for name, rs in runs.items()}
@@ -136,32 +136,27 @@ def run(context: int, repeats: int, seed: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("overlap", __doc__.splitlines()[0] if __doc__ else "overlap")
-    parser.add_argument(
-        "--context", type=int, default=None, help="prompt tokens (4096; quick 1024)"
-    )
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (3; quick 1)")
+    parser = base_parser("overlap", __doc__)
+    parser.sized("--context", 4096, 1024, "prompt tokens", type=int, minimum=512)
+    parser.sized("--repeats", 3, 1, "interleaved rounds", type=int, minimum=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    args = parser.parse_args(argv)
-    context = args.context or (1024 if args.quick else 4096)
-    repeats = args.repeats or (1 if args.quick else 3)
-    if context < 512 or repeats < 1:
-        raise ValueError("--context >= 512 and --repeats >= 1 are needed")
+    args = parser.parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = machine_info({})
-    print_machine(info)
-    result = run(context, repeats, args.seed)
-    result["machine"] = info
-    write_json(args.json, result)
+    info = header()
+    result = run(args.context, args.repeats, args.seed)
     s, t = result["summary"], result["ttft_s"]
     print(
-        f"TTFT of a {context}-token prompt cached on disk at {result['disk_gbps']:.4f} GB/s: "
-        f"recompute {t['recompute']:.2f} s, load {t['load']:.2f} s, overlap {t['overlap']:.2f} s"
+        f"TTFT of a {args.context}-token prompt cached on disk at {result['disk_gbps']:.4f} "
+        f"GB/s: recompute {t['recompute']:.2f} s, load {t['load']:.2f} s, overlap "
+        f"{t['overlap']:.2f} s"
     )
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: ttft_vs_best_single {s['ttft_vs_best_single']:.2f} (goal <= 0.8), "
-        f"load/recompute {s['load_vs_recompute']:.2f}, tokens identical {s['tokens_identical']}"
+        f"load/recompute {s['load_vs_recompute']:.2f}, tokens identical {s['tokens_identical']}",
     )
     return 0
 

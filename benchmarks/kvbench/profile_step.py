@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import base_parser, finish, header, median
 from kvbench.peers import kvtier_engine_config, random_ids
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine import runner as runner_module
@@ -94,21 +94,19 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("profile_step", __doc__.splitlines()[0] if __doc__ else "profile")
+    parser = base_parser("profile_step", __doc__)
     parser.add_argument("--kind", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--prompts", type=int, default=16, help="sequences in the batch")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--skip", type=int, default=4, help="matching steps before the one")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, minimum=1)
     parser.add_argument("--top", type=int, default=15, help="operators listed")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
     if args.quick:
         args.prompts, args.prompt_tokens, args.new_tokens, args.skip = 2, 64, 4, 0
-    info = machine_info({})
-    print_machine(info)
+    info = header()
     result = run(args)
-    result["machine"] = info
     result["args"] = {k: v for k, v in vars(args).items() if k != "json"}
     p = result["profiled"]
     print(
@@ -117,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'operator':<52}{'self ms':>10}{'calls':>8}{'share':>8}")
     for op in p["ops"]:
         print(f"{op['name'][:51]:<52}{op['self_ms']:>10.1f}{op['calls']:>8}{op['share']:>8.1%}")
-    write_json(args.json, result)
     s = result["summary"]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: profiled {s['profiled_wall_ms']:.0f} ms; unprofiled steps of the same "
-        f"shape: median {s['unprofiled_median_ms_same_shape']:.0f} ms"
+        f"shape: median {s['unprofiled_median_ms_same_shape']:.0f} ms",
     )
     return 0
 

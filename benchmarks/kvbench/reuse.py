@@ -30,14 +30,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
+from kvbench.common import finish, header, interleave, median
 from kvbench.setup import (
     BenchModel,
-    add_model_args,
     describe_link,
-    load_bench_model,
+    load_bench,
+    model_parser,
     random_prompt,
-    setup_device,
     use_stock_attention,
 )
 from kvtier.config import DiskConfig, HostConfig, ManagerConfig, TieredCacheConfig
@@ -162,15 +161,12 @@ def run_history(bench: BenchModel, h: History, repeats: int, workdir: Path) -> d
     turn1_disk = tiered_turn(bench, disk_manager, h, h.history, 1)
     disk_manager.close(flush_host_to_disk=True)
     cases = {
-        "recompute": lambda: recompute(bench, h.prompt),
-        "host": lambda: tiered_turn(bench, host_manager, h, h.prompt, NEW_TOKENS),
-        "disk": lambda: disk_turn(bench, h, disk),
+        "recompute": lambda _: recompute(bench, h.prompt),
+        "host": lambda _: tiered_turn(bench, host_manager, h, h.prompt, NEW_TOKENS),
+        "disk": lambda _: disk_turn(bench, h, disk),
     }
-    turns: dict[str, list[Turn]] = {name: [] for name in cases}
     try:
-        for _ in range(repeats):
-            for name, case in cases.items():
-                turns[name].append(case())
+        turns = interleave(cases, repeats)
     finally:
         host_manager.close()
     expected = turns["recompute"][0].tokens
@@ -265,40 +261,35 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("reuse", __doc__.splitlines()[0] if __doc__ else "reuse")
-    add_model_args(parser)
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (2; quick 1)")
+    parser = model_parser("reuse", __doc__)
+    parser.sized("--repeats", 2, 1, "interleaved rounds", type=int, minimum=1)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk tier writes")
-    args = parser.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 2)
-    if repeats < 1:
-        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
+    args = parser.parse(argv)
     labels = QUICK_HISTORIES if args.quick else tuple(HISTORIES)
-    device = setup_device(args)
     longest = max(HISTORIES[label] for label in labels) + FOLLOW_UP_TOKENS + NEW_TOKENS
-    bench = load_bench_model(args, device, longest)
-    info = machine_info(
+    bench = load_bench(args, longest)
+    info = header(
         {
-            "host->device": describe_link(None, device),
+            "host->device": describe_link(None, bench.device),
             "host<->disk": "real (local disk, O_DIRECT where the filesystem takes it)",
         }
     )
-    print_machine(info)
     print(
         f"model: {bench.description}; histories {', '.join(labels)} + {FOLLOW_UP_TOKENS}-token "
         f"follow-up, {NEW_TOKENS} new tokens; device budget {BUDGET_FRACTION:.0%} of the KV; "
-        f"repeats {repeats}"
+        f"repeats {args.repeats}"
     )
-    result = run(bench, labels, repeats, args.seed, args.dir)
-    result["machine"] = info
+    result = run(bench, labels, args.repeats, args.seed, args.dir)
     print_table(result["histories"])
-    write_json(args.json, result)
     s = result["summary"]
     at = "4k" if "4k" in labels else labels[-1]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: next-turn TTFT at {at} {s[f'ttft_speedup_host_{at}']:.1f}x faster from host, "
         f"{s[f'ttft_speedup_disk_{at}']:.1f}x from disk than recompute; tokens identical "
-        f"{s['tokens_identical']}, reused {s['reused']}"
+        f"{s['tokens_identical']}, reused {s['reused']}",
     )
     return 0
 

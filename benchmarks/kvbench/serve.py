@@ -50,26 +50,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvbench.serve_client import (
-    MODEL_NAME,
-    Reply,
-    metric_figures,
-    replay,
-    reply_figures,
-    stream_completion,
-)
-from kvbench.server_process import HttpServer, free_port
+from kvbench.common import base_parser, finish, fmt, header, present_median, ratio
+from kvbench.serve_client import Reply, metric_figures, replay, reply_figures, stream_one
+from kvbench.server_process import Server, ServerConfig
 from kvbench.trace import (
     DEFAULT_TRACE,
     TOKEN_ID_RANGE,
@@ -85,34 +76,6 @@ CONFIGS = ("device_only", "device_host", "device_host_disk")
 
 
 # ---- the server ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """One configuration of ``kvtier serve`` (sizes in MiB, as its flags take them)."""
-
-    name: str
-    device_budget_mb: int
-    max_batch_size: int
-    host_mb: int
-    chunk_tokens: int
-    max_queued: int
-    disk_mb: int | None = None
-
-    def flags(self, disk_dir: Path | None) -> list[str]:
-        """The ``kvtier serve`` flags of this configuration (``disk_dir`` when it has disk)."""
-        flags = [
-            *("--device-budget-mb", str(self.device_budget_mb)),
-            *("--max-batch-size", str(self.max_batch_size)),
-            *("--host-mb", str(self.host_mb)),
-            *("--chunk-tokens", str(self.chunk_tokens)),
-            *("--max-queued", str(self.max_queued)),
-        ]
-        if self.disk_mb is not None:
-            if disk_dir is None:
-                raise ValueError(f"{self.name}: a disk tier needs a folder")
-            flags += ["--disk-dir", str(disk_dir), "--disk-mb", str(self.disk_mb)]
-        return flags
 
 
 def server_configs(
@@ -146,28 +109,6 @@ def server_configs(
     }
 
 
-class Server(HttpServer):
-    """A ``kvtier serve`` process of one configuration, on a free port, logging to a file
-    (``start`` and ``stop`` as ``HttpServer``'s, both bounded by ``timeout_s``). Flags may
-    be added to ``command`` before ``start``."""
-
-    def __init__(
-        self, config: ServerConfig, workdir: Path, model: str | None, timeout_s: float
-    ) -> None:
-        port = free_port()
-        self.config = config
-        self.disk_dir = workdir / f"disk-{config.name}" if config.disk_mb is not None else None
-        command = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port)]
-        command += ["--served-model-name", MODEL_NAME, "--log-level", "warning"]
-        command += config.flags(self.disk_dir)
-        if model is not None:
-            command += ["--model", model]
-        # The server has no thread flag here: OMP_NUM_THREADS sets torch's intra-op threads.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        log_path = workdir / f"serve-{config.name}.log"
-        super().__init__(f"kvtier serve ({config.name})", command, env, port, log_path, timeout_s)
-
-
 # ---- one configuration -----------------------------------------------------------------------
 
 
@@ -187,10 +128,7 @@ def run_config(
         warm_ids = np.random.default_rng(1 << 40).integers(
             *TOKEN_ID_RANGE, config.chunk_tokens // 2
         )
-        warm = ReplayRequest(-1, -1, 0.0, tuple(int(t) for t in warm_ids), 4)
-        warm_reply = stream_completion(server.port, warm, time.perf_counter(), timeout_s)
-        if warm_reply.error is not None:
-            raise RuntimeError(f"{config.name}: the warm-up request failed: {warm_reply.error}")
+        stream_one(server.port, [int(t) for t in warm_ids], 4, timeout_s)
         before = server.metrics()
         replies = replay(server.port, window, timeout_s)
         after = server.metrics()
@@ -216,28 +154,16 @@ def run_config(
 
 def headline(runs: list[dict[str, Any]]) -> dict[str, float | None]:
     """A configuration's headline figures: the median over its runs (repeats)."""
-
-    def med(values: list[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return median(present) if present else None
-
     return {
-        "reused_tokens": med([r["reused_tokens"] for r in runs]),
-        "reused_fraction": med([r["reused_fraction"] for r in runs]),
-        "ttft_p50_s": med([r["ttft_s"]["p50"] for r in runs]),
-        "ttft_p90_s": med([r["ttft_s"]["p90"] for r in runs]),
-        "ttft_p99_s": med([r["ttft_s"]["p99"] for r in runs]),
-        "itl_p50_s": med([r["itl_s"]["p50"] for r in runs]),
-        "itl_p99_s": med([r["itl_s"]["p99"] for r in runs]),
-        "output_tokens_per_s": med([r["output_tokens_per_s"] for r in runs]),
+        "reused_tokens": present_median([r["reused_tokens"] for r in runs]),
+        "reused_fraction": present_median([r["reused_fraction"] for r in runs]),
+        "ttft_p50_s": present_median([r["ttft_s"]["p50"] for r in runs]),
+        "ttft_p90_s": present_median([r["ttft_s"]["p90"] for r in runs]),
+        "ttft_p99_s": present_median([r["ttft_s"]["p99"] for r in runs]),
+        "itl_p50_s": present_median([r["itl_s"]["p50"] for r in runs]),
+        "itl_p99_s": present_median([r["itl_s"]["p99"] for r in runs]),
+        "output_tokens_per_s": present_median([r["output_tokens_per_s"] for r in runs]),
     }
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """``numerator / denominator``; None when either is missing or the denominator is 0."""
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
 
 
 def summarize(headlines: dict[str, dict[str, float | None]]) -> dict[str, Any]:
@@ -278,37 +204,31 @@ def same_texts(texts: dict[str, list[dict[int, str | None]]]) -> tuple[int, int]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = base_parser("serve", __doc__.splitlines()[0] if __doc__ else "serve")
+    parser = base_parser("serve", __doc__)
     add = parser.add_argument
     add("--trace", type=Path, default=DEFAULT_TRACE, help="the JSONL trace (Mooncake format)")
-    add("--requests", type=int, default=None, help="requests in the window (40; quick 8)")
+    parser.sized("--requests", 40, 8, "requests in the window", type=int)
     add("--user-fraction", type=float, default=0.03, help="conversations sampled (1: consecutive)")
     add("--block-tokens", type=int, default=64, help="token ids per trace block (of 512)")
-    add("--max-prompt-tokens", type=int, default=None, help="prompt cap (1024; quick 512)")
-    add("--max-output-tokens", type=int, default=None, help="output cap (16; quick 8)")
-    add("--time-factor", type=float, default=None, help="trace s per replay s (3; quick 15)")
-    add("--device-budget-mb", type=int, default=64, help="device KV budget per sequence")
-    add("--max-batch-size", type=int, default=4, help="sequences run together")
+    parser.sized("--max-prompt-tokens", 1024, 512, "prompt cap", type=int)
+    parser.sized("--max-output-tokens", 16, 8, "output cap", type=int)
+    parser.sized("--time-factor", 3.0, 15.0, "trace s per replay s", type=float)
+    add("--device-budget-mb", type=int, default=64, minimum=1, help="device KV budget per sequence")
+    add("--max-batch-size", type=int, default=4, minimum=1, help="sequences run together")
     add("--host-factor", type=float, default=8.0, help="device_host's host tier ÷ device budget")
     add("--disk-mb", type=int, default=4096, help="device_host_disk's disk tier")
     add("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="which to run")
-    add("--repeats", type=int, default=1, help="replays of each configuration (A B C A B C …)")
+    add(
+        "--repeats",
+        type=int,
+        default=1,
+        minimum=1,
+        help="replays of each configuration (A B C A B C …)",
+    )
     add("--model", default=None, help="HF folder or .gguf for the server (default: embedded)")
     add("--dir", type=Path, default=None, help="where the disk tier and server logs go")
     add("--timeout-s", type=float, default=600.0, help="per request and per server start/stop")
-    args = parser.parse_args(argv)
-    quick = args.quick
-    defaults = {"requests": 40, "max_prompt_tokens": 1024, "max_output_tokens": 16}
-    quick_defaults = {"requests": 8, "max_prompt_tokens": 512, "max_output_tokens": 8}
-    for name, value in (quick_defaults if quick else defaults).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.time_factor is None:
-        args.time_factor = 15.0 if quick else 3.0
-    for flag in ("repeats", "device_budget_mb", "max_batch_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
-    return args
+    return parser.parse(argv)
 
 
 def print_table(runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -355,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     consecutive = build_window(trace, list(range(args.requests)), scaling)
     sharing = window_sharing(window, args.block_tokens)
     torch.set_num_threads(1)  # as the server's (OMP_NUM_THREADS=1), so the header says so
-    info = machine_info({"host<->disk": "real (local disk, O_DIRECT where it is supported)"})
-    print_machine(info)
+    info = header({"host<->disk": "real (local disk, O_DIRECT where it is supported)"})
     print(
         f"trace: {args.trace.name}, {sharing['requests']} requests of {sharing['conversations']} "
         f"conversations ({args.user_fraction:.0%} of them sampled, seed {args.seed}), "
@@ -426,21 +345,21 @@ def main(argv: list[str] | None = None) -> int:
             "server_torch_threads": 1,
             "request": "POST /v1/completions, token ids, stream, temperature 0, ignore_eos",
         },
-        "machine": info,
     }
-    write_json(args.json, result)
-    fmt = "{:.2f}".format
 
     def show(value: float | None) -> str:
-        return "-" if value is None else fmt(value)
+        return fmt(value, missing="-")
 
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: reused tokens vs device-only: device+host "
         f"{show(summary['device_host_reused_tokens_ratio_vs_device_only'])}x, device+host+disk "
         f"{show(summary['reused_tokens_ratio_vs_device_only'])}x; TTFT p50 vs device-only: "
         f"device+host {show(summary['device_host_ttft_p50_ratio_vs_device_only'])}x, "
         f"device+host+disk {show(summary['ttft_p50_ratio_vs_device_only'])}x; same text "
-        f"{same}/{total}"
+        f"{same}/{total}",
     )
     return 0
 

@@ -3,7 +3,9 @@ times, and what the client saw and the server's counters said, as figures.
 
 Contract: talks to one ``kvtier serve`` on ``127.0.0.1:PORT`` over HTTP and never starts or
 stops it. ``stream_completion`` and ``replay`` never raise for a failed request: the failure
-is recorded in ``Reply.error``. ``scrape_metrics`` reads ``/metrics`` once; ``parse_metrics``,
+is recorded in ``Reply.error``; ``stream_one`` (one request now, for the benchmarks that
+send their own) raises ``RuntimeError`` instead. ``completion_request`` builds a plain
+``POST /v1/completions``. ``scrape_metrics`` reads ``/metrics`` once; ``parse_metrics``,
 ``metric_figures``, ``reply_figures`` and ``percentile`` are pure functions.
 """
 
@@ -57,9 +59,21 @@ class Reply:
     error: str | None = None
 
 
-def stream_completion(port: int, request: ReplayRequest, start: float, timeout_s: float) -> Reply:
-    """Send one streaming completion of token ids; time every chunk. Never raises: a
-    failure (refused, HTTP error, error event) is recorded in ``Reply.error``."""
+def completion_request(port: int, body: dict[str, Any]) -> urllib.request.Request:
+    """``POST /v1/completions`` of ``body`` (as JSON) to the server on ``port``."""
+    return urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+
+
+def stream_completion(
+    port: int, request: ReplayRequest, start: float, timeout_s: float, api_key: str | None = None
+) -> Reply:
+    """Send one streaming completion of token ids (as ``api_key`` where given); time every
+    chunk. Never raises: a failure (refused, HTTP error, error event) is recorded in
+    ``Reply.error``."""
     body = {
         "model": MODEL_NAME,
         "prompt": list(request.prompt_ids),
@@ -71,11 +85,12 @@ def stream_completion(port: int, request: ReplayRequest, start: float, timeout_s
     }
     sent = time.perf_counter()
     reply = Reply(request.index, sent - start, len(request.prompt_ids))
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
         response = conn.getresponse()
         if response.status != 200:
             reply.error = f"HTTP {response.status}: {response.read()[:200]!r}"
@@ -112,6 +127,21 @@ def stream_completion(port: int, request: ReplayRequest, start: float, timeout_s
     finally:
         conn.close()
         reply.done_s = time.perf_counter() - start
+    return reply
+
+
+def stream_one(
+    port: int, prompt: list[int], max_tokens: int, timeout_s: float, api_key: str | None = None
+) -> Reply:
+    """One streamed greedy completion of ``prompt``, sent now.
+
+    Raises:
+        RuntimeError: it failed, or no token came.
+    """
+    request = ReplayRequest(-1, -1, 0.0, tuple(prompt), max_tokens)
+    reply = stream_completion(port, request, time.perf_counter(), timeout_s, api_key)
+    if reply.error is not None or reply.ttft_s is None:
+        raise RuntimeError(f"port {port}: a completion failed: {reply.error or 'no token'}")
     return reply
 
 

@@ -1,23 +1,29 @@
 """A server process on a loopback port, as the benchmarks run ``kvtier serve`` and
 ``vllm serve``: started, waited for, stopped.
 
-Contract: ``HttpServer.start`` blocks until ``/health`` answers (printing a progress line
-while it waits) and raises ``RuntimeError`` with the log's tail when the process dies or
-the timeout passes; ``stop`` sends SIGTERM, waits for the drain, then kills; ``kill`` sends
-SIGKILL at once. One owner: not thread-safe.
+Contract: every benchmark runs ``kvtier serve`` through ``kvtier_serve_command`` (its argv
+and environment): as ``Server``, one ``ServerConfig`` (sizes by name), or as
+``kvtier_server``, free-form flags and a thread count. ``HttpServer.start`` blocks until
+``/health`` answers (printing a progress line while it waits) and raises ``RuntimeError``
+with the log's tail when the process dies or the timeout passes; ``stop`` sends SIGTERM,
+waits for the drain, then kills; ``kill`` sends SIGKILL at once. One owner: not
+thread-safe.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.serve_client import scrape_metrics
+from kvbench.serve_client import MODEL_NAME, scrape_metrics
 
 
 def free_port() -> int:
@@ -113,3 +119,71 @@ class HttpServer:
 
     def log_tail(self, lines: int = 5) -> str:
         return log_tail(self.log_path, lines)
+
+
+# ---- kvtier serve ----------------------------------------------------------------------------
+
+
+def kvtier_serve_command(
+    port: int, flags: list[str], threads: int
+) -> tuple[list[str], dict[str, str]]:
+    """``kvtier serve`` on ``port`` (serving ``MODEL_NAME``, logging warnings) with ``flags``
+    and ``threads`` torch threads: its argv and its environment."""
+    command = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port)]
+    command += ["--served-model-name", MODEL_NAME, "--log-level", "warning"]
+    command += ["--threads", str(threads), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    return command, env
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One configuration of ``kvtier serve`` (sizes in MiB, as its flags take them)."""
+
+    name: str
+    device_budget_mb: int
+    max_batch_size: int
+    host_mb: int
+    chunk_tokens: int
+    max_queued: int
+    disk_mb: int | None = None
+
+    def flags(self, disk_dir: Path | None) -> list[str]:
+        """The ``kvtier serve`` flags of this configuration (``disk_dir`` when it has disk)."""
+        flags = [
+            *("--device-budget-mb", str(self.device_budget_mb)),
+            *("--max-batch-size", str(self.max_batch_size)),
+            *("--host-mb", str(self.host_mb)),
+            *("--chunk-tokens", str(self.chunk_tokens)),
+            *("--max-queued", str(self.max_queued)),
+        ]
+        if self.disk_mb is not None:
+            if disk_dir is None:
+                raise ValueError(f"{self.name}: a disk tier needs a folder")
+            flags += ["--disk-dir", str(disk_dir), "--disk-mb", str(self.disk_mb)]
+        return flags
+
+
+class Server(HttpServer):
+    """A ``kvtier serve`` process of one configuration, on a free port, logging to a file
+    (``start`` and ``stop`` as ``HttpServer``'s, both bounded by ``timeout_s``). Flags may
+    be added to ``command`` before ``start``."""
+
+    def __init__(
+        self, config: ServerConfig, workdir: Path, model: str | None, timeout_s: float
+    ) -> None:
+        port = free_port()
+        self.config = config
+        self.disk_dir = workdir / f"disk-{config.name}" if config.disk_mb is not None else None
+        flags = config.flags(self.disk_dir) + ([] if model is None else ["--model", model])
+        command, env = kvtier_serve_command(port, flags, threads=1)
+        log_path = workdir / f"serve-{config.name}.log"
+        super().__init__(f"kvtier serve ({config.name})", command, env, port, log_path, timeout_s)
+
+
+def kvtier_server(flags: list[str], threads: int, workdir: Path) -> HttpServer:
+    """``kvtier serve`` (embedded model) with ``flags`` and ``threads`` torch threads."""
+    port = free_port()
+    command, env = kvtier_serve_command(port, flags, threads)
+    log = workdir / f"kvtier-serve-t{threads}.log"
+    return HttpServer("kvtier serve", command, env, port, log)

@@ -1,24 +1,37 @@
-"""Shared set-up of the model benchmarks: model and device flags, prompts, link descriptions.
+"""Shared set-up of the model benchmarks: model and device flags, prompts, link
+descriptions, engine configurations, and the decode cases.
 
-``decode`` and ``reuse`` load the model the same way (embedded, a folder, or a random-weight
-shape), pin torch threads the same way, and describe links the same way; this module holds
-that, so each benchmark module keeps only its own question.
+``decode``, ``reuse`` and ``librarian`` load the model the same way (embedded, a folder, or
+a random-weight shape), pin torch threads the same way, and describe links the same way;
+``decode`` and ``librarian`` decode a prompt the same ways (resident ``DynamicCache``, its
+offloading variant, a ``TieredCache`` adopting the prompt's chunks from a host tier); the
+engine benchmarks size an ``EngineConfig`` by the same few budgets. This module holds that,
+so each benchmark module keeps only its own question.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
-from kvbench.tiers import memcpy_gbps
-from kvtier.hf.generate import TokenClock
+from kvbench.common import BenchParser, base_parser, memcpy_gbps
+from kvtier.config import HostConfig, LinkConfig, ManagerConfig, PlacementRates, TieredCacheConfig
+from kvtier.engine import EngineConfig
+from kvtier.hf.cache import TieredCache
+from kvtier.hf.generate import TokenClock, prefill
 from kvtier.kv.layout import DTYPES, KVLayout
+from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity, random_model
 from kvtier.transfer import Link, Throttle
+
+STAGING_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -132,8 +145,10 @@ def random_prompt(vocab_size: int, tokens: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, tokens), generator=gen)
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Flags choosing the model, its dtype, the device and the CPU threads."""
+def model_parser(name: str, doc: str | None) -> BenchParser:
+    """``base_parser`` with the flags choosing the model, its dtype, the device and the CPU
+    threads (``load_bench`` reads them)."""
+    parser = base_parser(name, doc)
     parser.add_argument(
         "--model", default=None, help="HF model folder or .gguf (default: embedded)"
     )
@@ -146,8 +161,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
+        minimum=1,
         help="torch threads (CPU default 1: compute on one core, the link's copies on another)",
     )
+    return parser
 
 
 def setup_device(args: argparse.Namespace) -> torch.device:
@@ -163,10 +180,14 @@ def setup_device(args: argparse.Namespace) -> torch.device:
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads is not None or device.type == "cpu":
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads: must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads or 1)
     return device
+
+
+def load_bench(args: argparse.Namespace, max_tokens: int) -> BenchModel:
+    """The device of ``--device`` (``setup_device``) and the model of ``model_parser``'s
+    flags on it (``load_bench_model``)."""
+    return load_bench_model(args, setup_device(args), max_tokens)
 
 
 def load_bench_model(args: argparse.Namespace, device: torch.device, max_tokens: int) -> BenchModel:
@@ -234,3 +255,144 @@ def describe_link(gbps: float | None, device: torch.device) -> str:
 
 
 # ---- the cases -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the prompt every case decodes."""
+
+    bench: BenchModel
+    prompt: torch.Tensor  # [1, S]
+    new_tokens: int
+
+    @property
+    def model(self) -> Any:
+        return self.bench.model
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.bench.layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.bench.device
+
+    @property
+    def final_kv_nbytes(self) -> int:
+        return self.layout.kv_nbytes(self.prompt.shape[1] + self.new_tokens)
+
+    def greedy_kwargs(self) -> dict[str, Any]:
+        return self.bench.greedy_kwargs(self.new_tokens)
+
+
+def budget_bytes_of(work: Workload, fraction: float) -> int:
+    """``fraction`` of the final KV, at least the one tail chunk the cache needs."""
+    return max(int(fraction * work.final_kv_nbytes), work.layout.chunk_nbytes)
+
+
+@torch.no_grad()
+def prefill_dynamic(work: Workload) -> DynamicCache:
+    """The prompt but its last token in a resident ``DynamicCache`` (kept, copied per run)."""
+    use_stock_attention(work.model)
+    cache = DynamicCache(config=work.model.config)
+    ids = work.prompt[:, :-1].to(work.device)
+    work.model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def decode_dynamic(work: Workload, prefilled: DynamicCache | None) -> DecodeRun:
+    """Resident baseline (from a copy of ``prefilled``), or ``offloading=True`` when None."""
+    use_stock_attention(work.model)
+    clock = StepClock(lambda: (0, 0.0), work.device, allocated_nbytes(work.device))
+    if prefilled is not None:
+        cache = copy.deepcopy(prefilled)
+    else:
+        cache = DynamicCache(config=work.model.config, offloading=True)
+    ids = work.prompt.to(work.device)
+    out = work.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        streamer=clock,
+        **work.greedy_kwargs(),
+    )
+    del cache
+    return clock.run(out, ids.shape[1])
+
+
+def new_manager(work: Workload) -> KVManager:
+    """A host tier holding the whole context (the KV every kvtier case streams from)."""
+    layout = work.layout
+    host_nbytes = work.final_kv_nbytes + 4 * layout.chunk_nbytes
+    config = ManagerConfig(
+        chunk_tokens=layout.chunk_tokens, host=HostConfig(capacity_bytes=host_nbytes)
+    )
+    return KVManager(layout, work.bench.model_id, config)
+
+
+def decode_tiered(
+    work: Workload,
+    manager: KVManager,
+    budget_bytes: int,
+    gbps: float | None,
+    prefetch: bool,
+    staging_bytes: int = STAGING_BYTES,
+    placement: str = "stream",
+    rates: PlacementRates | None = None,
+) -> DecodeRun:
+    """A fresh ``TieredCache``: reuse the cached prompt chunks, prefill the rest, decode.
+    ``placement`` (and ``rates`` for ``auto``) say where the chunks past the budget are
+    attended; the run records the chunk reads by decision."""
+    start_allocated = allocated_nbytes(work.device)
+    config = TieredCacheConfig(
+        device_budget_bytes=budget_bytes,
+        staging_bytes=staging_bytes,
+        prefetch=prefetch,
+        link=LinkConfig(gbps=gbps),
+        placement=placement,
+        rates=rates,
+    )
+    cache = TieredCache(work.model, config, manager=manager, model_id=work.bench.model_id)
+    try:
+        ids = work.prompt.to(work.device)
+        reused = prefill(work.model, cache, ids)
+
+        def link_counters() -> tuple[int, float]:
+            link = cache.stats().link
+            return link.bytes, link.wait_s
+
+        clock = StepClock(link_counters, work.device, start_allocated)
+        out = work.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            streamer=clock,
+            **work.greedy_kwargs(),
+        )
+        run = clock.run(out, ids.shape[1], reused)
+        return dataclasses.replace(run, decided_chunks=cache.stats().decided_chunks)
+    finally:
+        cache.close()
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+def engine_config(
+    max_batch_size: int,
+    device_budget_bytes: int,
+    host_bytes: int,
+    chunk_tokens: int,
+    **engine: Any,
+) -> EngineConfig:
+    """An engine of ``max_batch_size`` sequences, each with ``device_budget_bytes`` of
+    device KV, over a host tier of ``host_bytes`` in ``chunk_tokens`` chunks; ``engine``:
+    any other ``EngineConfig`` field (``prefill_tokens_per_step``, ``max_queued`` …)."""
+    return EngineConfig(
+        max_batch_size=max_batch_size,
+        cache=TieredCacheConfig(device_budget_bytes=device_budget_bytes),
+        manager=ManagerConfig(
+            chunk_tokens=chunk_tokens, host=HostConfig(capacity_bytes=host_bytes)
+        ),
+        **engine,
+    )

@@ -25,15 +25,13 @@ from __future__ import annotations
 import random
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvbench.peer_runs import kvtier_server
+from kvbench.common import base_parser, finish, header, median
 from kvbench.redis_cluster import RedisCluster
-from kvbench.serve_client import MODEL_NAME
-from kvbench.server_process import HttpServer
+from kvbench.serve_client import MODEL_NAME, by_label, scrape_metrics
+from kvbench.server_process import HttpServer, kvtier_server
 
 NEW_TOKENS = 8
 PREFIX = "kvtier"
@@ -63,18 +61,6 @@ def stream_one(port: int, prompt: list[int]) -> dict[str, Any]:
         if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
             cached = chunk.usage.prompt_tokens_details.cached_tokens
     return {"ttft_s": first, "text": text, "cached_tokens": cached}
-
-
-def reused_by_tier(port: int) -> dict[str, float]:
-    """``kvtier_reused_tokens`` by tier from a server's ``/metrics``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
-    out: dict[str, float] = {}
-    for line in lines:
-        if line.startswith("kvtier_reused_tokens_total{"):
-            tier = line.split('tier="', 1)[1].split('"', 1)[0]
-            out[tier] = float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def wait_for_chunks(cluster: RedisCluster, count: int, timeout_s: float = 120.0) -> float:
@@ -124,7 +110,7 @@ def run(context: int, rounds: int, threads: int, seed: int) -> dict[str, Any]:
                 f"{fresh['ttft_s']:.2f} s",
                 flush=True,
             )
-        by_tier = reused_by_tier(b.port)
+        by_tier = by_label(scrape_metrics(b.port), "kvtier_reused_tokens")
     finally:
         for server in servers:
             server.stop()
@@ -148,26 +134,22 @@ def run(context: int, rounds: int, threads: int, seed: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("shared", __doc__.splitlines()[0] if __doc__ else "shared")
-    parser.add_argument(
-        "--context", type=int, default=None, help="prompt tokens (4096; quick 1024)"
-    )
-    parser.add_argument("--rounds", type=int, default=None, help="rounds (3; quick 1)")
+    parser = base_parser("shared", __doc__)
+    parser.sized("--context", 4096, 1024, "prompt tokens", type=int)
+    parser.sized("--rounds", 3, 1, "rounds", type=int)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per server")
-    args = parser.parse_args(argv)
-    context = args.context or (1024 if args.quick else 4096)
-    rounds = args.rounds or (1 if args.quick else 3)
-    info = machine_info({})
-    print_machine(info)
-    result = run(context, rounds, args.threads, args.seed)
-    result["machine"] = info
-    write_json(args.json, result)
+    args = parser.parse(argv)
+    info = header()
+    result = run(args.context, args.rounds, args.threads, args.seed)
     s = result["summary"]
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: ttft_speedup_cross_instance {s['ttft_speedup_cross_instance']:.1f}x "
         f"(goal >= 20; recompute {s['recompute_ttft_s']:.2f} s, from the cluster "
         f"{s['cross_instance_ttft_s']:.2f} s), tokens identical {s['tokens_identical']}, "
-        f"B reused by tier {result['reused_tokens_by_tier_b']}"
+        f"B reused by tier {result['reused_tokens_by_tier_b']}",
     )
     return 0
 

@@ -21,20 +21,17 @@ cached tokens B was told of.
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvbench.serve import Server, ServerConfig
-from kvbench.serve_client import MODEL_NAME
+from kvbench.common import base_parser, finish, header, median
+from kvbench.serve_client import stream_one
+from kvbench.server_process import Server, ServerConfig
 
 KEYS = {"a": "sk-bench-tenant-a", "b": "sk-bench-tenant-b"}
 CASES = ("other", "same", "fresh")
@@ -42,41 +39,9 @@ CASES = ("other", "same", "fresh")
 
 def first_token(port: int, key: str, prompt: list[int], timeout_s: float) -> tuple[float, int]:
     """One streaming completion of one token: (TTFT seconds, cached tokens reported)."""
-    body = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": 1,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        sent = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps(body), headers)
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        ttft: float | None = None
-        cached = 0
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(str(event["error"]))
-            if event.get("choices") and ttft is None:
-                ttft = time.perf_counter() - sent
-            if event.get("usage"):
-                details = event["usage"].get("prompt_tokens_details") or {}
-                cached = int(details.get("cached_tokens") or 0)
-        if ttft is None:
-            raise RuntimeError("the stream ended without a token")
-        return ttft, cached
-    finally:
-        conn.close()
+    reply = stream_one(port, prompt, 1, timeout_s, api_key=key)
+    assert reply.ttft_s is not None  # stream_one raises when no token came
+    return reply.ttft_s, reply.cached_tokens
 
 
 def run_config(name: str, salted: bool, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -130,24 +95,23 @@ def run_config(name: str, salted: bool, args: argparse.Namespace, workdir: Path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = base_parser("tenants", __doc__.splitlines()[0] if __doc__ else "")
+    parser = base_parser("tenants", __doc__)
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded model)")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=2048, minimum=257, help="more than one chunk (256)"
+    )
+    parser.add_argument("--repeats", type=int, default=8, minimum=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
     if args.quick:
         args.prompt_tokens, args.repeats = min(args.prompt_tokens, 512), min(args.repeats, 3)
-    if args.prompt_tokens < 257 or args.repeats < 1:
-        raise ValueError("--prompt-tokens: must be > 256 (one chunk); --repeats: must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # as the server's (OMP_NUM_THREADS=1), so the header says so
-    info = machine_info()
-    print_machine(info)
+    info = header()
     print(f"{args.repeats} rounds of {args.prompt_tokens}-token prompts, one output token")
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-tenants-") as tmp:
@@ -171,13 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         "shared_other_vs_fresh_ttft": results["shared"]["other_vs_fresh"],
         "same_tenant_vs_fresh_ttft": results["salted"]["same_vs_fresh"],
     }
-    write_json(
-        args.json, {"machine": info, "args": vars(args), "summary": summary, "results": results}
-    )
-    print(
+    finish(
+        args.json,
+        {"args": vars(args), "summary": summary, "results": results},
+        info,
         f"summary: with --salt-by-key another tenant's TTFT on a prompt just sent is "
         f"{summary['salted_other_vs_fresh_ttft']:.2f}x a fresh prompt's and it is told of "
         f"{summary['salted_other_cached_tokens']} cached tokens; without salting "
-        f"{summary['shared_other_vs_fresh_ttft']:.2f}x"
+        f"{summary['shared_other_vs_fresh_ttft']:.2f}x",
     )
     return 0

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvbench.common import base_parser, machine_info, median, print_machine, write_json
-from kvtier.config import HostConfig, ManagerConfig, MiB, TieredCacheConfig
+from kvbench.common import base_parser, finish, header, median
+from kvbench.setup import engine_config as sized_engine
+from kvtier.config import MiB
 from kvtier.engine import LLM, EngineConfig, SamplingParams
 from kvtier.models import load_model
 
@@ -122,19 +123,17 @@ def engine_config(layout_token_nbytes: int, longest: int, count: int) -> EngineC
     """Room on the device for each sequence's whole KV; a host tier for every request."""
     per_sequence = layout_token_nbytes * (longest + NEW_TOKENS + 2 * CHUNK_TOKENS)
     host = max(256 * MiB, layout_token_nbytes * (longest + NEW_TOKENS) * count)
-    return EngineConfig(
+    return sized_engine(
+        STATIC_BATCH,
+        per_sequence,
+        host,
+        CHUNK_TOKENS,
         max_queued=max(64, count),
-        max_batch_size=STATIC_BATCH,
         prefill_tokens_per_step=PREFILL_TOKENS_PER_STEP,
-        cache=TieredCacheConfig(device_budget_bytes=per_sequence),
-        manager=ManagerConfig(chunk_tokens=CHUNK_TOKENS, host=HostConfig(capacity_bytes=host)),
     )
 
 
-def run(
-    quick: bool, seed: int, requests: tuple[int, ...] | None = None, repeats: int = 1
-) -> dict[str, Any]:
-    counts = requests or ((8,) if quick else (16, 64))
+def run(quick: bool, seed: int, counts: tuple[int, ...], repeats: int = 1) -> dict[str, Any]:
     lo, hi = (64, 512) if quick else (64, 1024)
     baseline = load_model()
     ours = load_model()
@@ -224,24 +223,12 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("throughput", __doc__.splitlines()[0] if __doc__ else "throughput")
-    parser.add_argument(
-        "--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)"
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=None,
-        help="interleaved runs of each system, medians reported (default 2; quick 1)",
-    )
-    args = parser.parse_args(argv)
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
-    if repeats < 1:
-        raise ValueError(f"--repeats: must be >= 1, got {repeats}")
-    info = machine_info()
-    print_machine(info)
-    result = run(args.quick, args.seed, tuple(args.requests) if args.requests else None, repeats)
-    result["machine"] = info
+    parser = base_parser("throughput", __doc__)
+    parser.sized("--requests", [16, 64], [8], "request counts", type=int, nargs="+")
+    parser.sized("--repeats", 2, 1, "interleaved runs of each system", type=int, minimum=1)
+    args = parser.parse(argv)
+    info = header()
+    result = run(args.quick, args.seed, tuple(args.requests), args.repeats)
     print(
         f"{'requests':>9}{'prompt tok':>11}{'padded':>9}{'kvtier tok/s':>14}{'hf static':>11}"
         f"{'hf cont.':>10}{'vs static':>11}{'vs cont.':>10}{'same':>6}{'batch':>7}"
@@ -259,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if case["hf_continuous_error"]:
             print(f"  transformers continuous batching did not run: {case['hf_continuous_error']}")
-    write_json(args.json, result)
     s = result["summary"]
-    print("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(s.items()) if "speedup" in k))
+    speedups = ", ".join(f"{k} {v}" for k, v in sorted(s.items()) if "speedup" in k)
+    finish(args.json, result, info, f"summary: {speedups}")
     return 0
 
 

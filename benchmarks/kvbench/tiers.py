@@ -23,12 +23,12 @@ import torch
 from kvbench.common import (
     EMBEDDED_LAYOUT,
     base_parser,
+    finish,
+    header,
     interleave,
-    machine_info,
     median,
-    print_machine,
+    memcpy_gbps,
     timed,
-    write_json,
 )
 from kvtier.kv import Chunk, ChunkRef, KVLayout
 from kvtier.tiers import Tier, host_tier
@@ -44,13 +44,6 @@ def make_chunks(layout: KVLayout, count: int, seed: int) -> list[Chunk]:
         key = i.to_bytes(8, "little") + seed.to_bytes(8, "little")
         chunks.append(Chunk(ChunkRef.of(key, ids), torch.randn(layout.chunk_shape, generator=gen)))
     return chunks
-
-
-def memcpy_gbps(nbytes: int) -> float:
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.zeros_like(src)
-    dst.copy_(src)  # warm
-    return nbytes / timed(lambda: dst.copy_(src)) / 1e9
 
 
 _DD_RATE = re.compile(r"([\d.]+) s,")
@@ -99,18 +92,18 @@ def run(quick: bool, seed: int, folder: Path | None) -> dict[str, Any]:
         dd_bytes = count * block
         host.put(chunks)  # warm the pool and the code paths once
         cases = {
-            "memcpy_gbps": lambda: memcpy_gbps(256 << 20),
-            "host_put_gbps": lambda: tier_put_gbps(host, chunks),
-            "host_get_gbps": lambda: tier_get_gbps(host, chunks, out),
-            "odirect_write_gbps": lambda: dd_gbps(
+            "memcpy_gbps": lambda _: memcpy_gbps(256 << 20),
+            "host_put_gbps": lambda _: tier_put_gbps(host, chunks),
+            "host_get_gbps": lambda _: tier_get_gbps(host, chunks, out),
+            "odirect_write_gbps": lambda _: dd_gbps(
                 ["if=/dev/zero", f"of={dd_file}", f"bs={block}", f"count={count}", "oflag=direct"],
                 dd_bytes,
             ),
-            "disk_write_gbps": lambda: tier_put_gbps(disk, chunks),
-            "odirect_read_gbps": lambda: dd_gbps(
+            "disk_write_gbps": lambda _: tier_put_gbps(disk, chunks),
+            "odirect_read_gbps": lambda _: dd_gbps(
                 [f"if={dd_file}", "of=/dev/null", f"bs={block}", "iflag=direct"], dd_bytes
             ),
-            "disk_read_gbps": lambda: tier_get_gbps(disk, chunks, out),
+            "disk_read_gbps": lambda _: tier_get_gbps(disk, chunks, out),
         }
         samples = interleave(cases, repeats)
         disk_desc = (
@@ -144,24 +137,24 @@ def run(quick: bool, seed: int, folder: Path | None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("tiers", __doc__.splitlines()[0] if __doc__ else "tiers")
+    parser = base_parser("tiers", __doc__)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk tier writes")
-    args = parser.parse_args(argv)
-    info = machine_info({"host<->disk": "real (local disk, O_DIRECT)"})
-    print_machine(info)
+    args = parser.parse(argv)
+    info = header({"host<->disk": "real (local disk, O_DIRECT)"})
     result = run(args.quick, args.seed, args.dir)
-    result["machine"] = info
     s = result["summary"]
     print(f"{'case':<22}{'GB/s (median)':>14}")
     for name in ("memcpy", "host_put", "host_get", "odirect_write", "disk_write"):
         print(f"{name:<22}{s[name + '_gbps']:>14.3f}")
     for name in ("odirect_read", "disk_read"):
         print(f"{name:<22}{s[name + '_gbps']:>14.3f}")
-    write_json(args.json, result)
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: host put/get {s['host_put_vs_memcpy']:.2f}/{s['host_get_vs_memcpy']:.2f} "
         f"of memcpy; disk write/read {s['disk_write_vs_odirect']:.2f}/"
-        f"{s['disk_read_vs_odirect']:.2f} of O_DIRECT"
+        f"{s['disk_read_vs_odirect']:.2f} of O_DIRECT",
     )
     return 0
 

@@ -7,7 +7,8 @@ cache, so a later batch finds its prefixes only where a connector keeps them. Wi
 ``connector`` set, vLLM loads ``kvtier.vllm.connector`` from this checkout's ``src``.
 
 Contract: one owner; ``close`` ends the process. Raises ``RuntimeError`` naming the log
-when the worker dies.
+when the worker dies. ``vllm_env`` is the environment of every vLLM process the benchmarks
+start (``vllm serve`` too), and ``MAX_*`` the engine limits both take.
 """
 
 from __future__ import annotations
@@ -73,14 +74,18 @@ if __name__ == "__main__":
 """
 
 
+def cpu_bind(threads: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` cores (``0``, ``0-1``, …)."""
+    return "0" if threads == 1 else f"0-{threads - 1}"
+
+
 def vllm_env(threads: int, kv_gib: int) -> dict[str, str]:
     """vLLM's environment: its KV space, its OpenMP cores, and kvtier's ``src``."""
-    bind = "0" if threads == 1 else f"0-{threads - 1}"
     path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
     return {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(threads),
         "PYTHONPATH": path,
     }
 

@@ -25,14 +25,7 @@ from typing import Any
 
 import torch
 
-from kvbench.common import (
-    EMBEDDED_LAYOUT,
-    base_parser,
-    machine_info,
-    median,
-    print_machine,
-    write_json,
-)
+from kvbench.common import EMBEDDED_LAYOUT, base_parser, finish, header, interleave, median
 from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig
 from kvtier.kv import Chunk
 from kvtier.manager import KVManager
@@ -114,10 +107,13 @@ def decode_run(args: Any, compute: Compute, with_disk: bool, repeat: int) -> dic
 def run(args: Any) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     compute = Compute(args.step_ms, args.seed)
-    cases: dict[str, list[dict[str, Any]]] = {"no_disk": [], "disk": []}
-    for repeat in range(args.repeats):  # interleaved: no disk, disk, no disk, disk …
-        cases["no_disk"].append(decode_run(args, compute, False, repeat))
-        cases["disk"].append(decode_run(args, compute, True, repeat))
+    cases = interleave(
+        {
+            "no_disk": lambda repeat: decode_run(args, compute, False, repeat),
+            "disk": lambda repeat: decode_run(args, compute, True, repeat),
+        },
+        args.repeats,
+    )
     medians = {name: median([s for r in runs for s in r["step_s"]]) for name, runs in cases.items()}
     per_repeat = [
         statistics.median(d["step_s"]) / statistics.median(n["step_s"])
@@ -141,23 +137,21 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = base_parser("writeback", __doc__.splitlines()[0] if __doc__ else "writeback")
-    parser.add_argument("--steps", type=int, default=40, help="decode steps per run")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each case")
+    parser = base_parser("writeback", __doc__)
+    parser.sized("--steps", 40, 12, "decode steps per run", type=int)
+    parser.sized("--repeats", 5, 2, "runs of each case", type=int)
     parser.add_argument("--step-ms", type=float, default=30.0, help="compute per step")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for compute")
+    parser.add_argument(
+        "--threads", type=int, default=1, minimum=1, help="torch threads for compute"
+    )
     parser.add_argument("--host-chunks", type=int, default=8, help="host capacity in chunks")
     parser.add_argument("--disk-gbps", type=float, default=0.05, help="host<->disk throttle")
     parser.add_argument("--dir", type=Path, default=None, help="where the disk tier writes")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.repeats = 12, 2
+    args = parser.parse(argv)
     torch.set_num_threads(args.threads)
     link = Throttle(args.disk_gbps, 0.0).describe()
-    info = machine_info({"host<->disk": f"{link} (the disk behind it is real, fsync on)"})
-    print_machine(info)
+    info = header({"host<->disk": f"{link} (the disk behind it is real, fsync on)"})
     result = run(args)
-    result["machine"] = info
     result["args"] = {k: v for k, v in vars(args).items() if k not in ("json", "dir")}
     s = result["summary"]
     chunk_mb = EMBEDDED_LAYOUT.chunk_nbytes / 1e6
@@ -173,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{s['write_backs_dropped']} dropped (queue full); compute blocked on the link "
         f"{s['link_submit_blocked_s'] * 1e3:.1f} ms"
     )
-    write_json(args.json, result)
     verdict = "within" if s["ratio"] <= 1.10 else "ABOVE"
-    print(
+    finish(
+        args.json,
+        result,
+        info,
         f"summary: a step that evicts to a throttled disk takes {s['ratio']:.3f}x the step "
-        f"without a disk tier ({verdict} the 1.10 goal)"
+        f"without a disk tier ({verdict} the 1.10 goal)",
     )
     return 0
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvbench import peers
-from kvbench.peer_runs import cpu_bind, serve_figures
+from kvbench.peer_runs import serve_figures
 from kvbench.serve_client import Reply
 from kvbench.vllm_env import MAX_MODEL_LEN, convert_folder
+from kvbench.vllm_offline import cpu_bind
 from tests.engine.tiny import embedded_tokenizer, save_folder
 
 

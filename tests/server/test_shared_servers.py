@@ -12,8 +12,8 @@ import pytest
 from openai import OpenAI
 
 from kvbench.redis_cluster import RedisCluster, available
-from kvbench.serve import Server, ServerConfig
 from kvbench.serve_client import MODEL_NAME, by_label
+from kvbench.server_process import Server, ServerConfig
 from tests.engine.tiny import embedded_tokenizer, save_folder
 
 pytestmark = [
