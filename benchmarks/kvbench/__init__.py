@@ -21,4 +21,5 @@ BENCHMARKS = (
     "overlap",
     "shared",
     "faults",
+    "vllm",
 )

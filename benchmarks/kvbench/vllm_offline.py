@@ -3,8 +3,8 @@
 One ``LLM`` stays alive; each ``run`` sends one batch of token-id prompts and reads back
 the greedy tokens, generate's seconds and each prompt's cached tokens (vLLM's own prefix
 cache plus what a KV connector loaded). ``reset_prefix_cache`` empties vLLM's own prefix
-cache, so a later batch finds its prefixes only where a connector keeps them. With
-``connector`` set, vLLM loads ``kvtier.vllm.connector`` from this checkout's ``src``.
+cache, so a later batch finds its prefixes only where a connector keeps them. With a
+``transfer`` config, vLLM loads that KV connector (kvtier's from this checkout's ``src``).
 
 Contract: one owner; ``close`` ends the process. Raises ``RuntimeError`` naming the log
 when the worker dies. ``vllm_env`` is the environment of every vLLM process the benchmarks
@@ -34,14 +34,9 @@ def main():
     config = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
     extra = {}
-    if config["connector"] is not None:
+    if config["transfer"] is not None:
         from vllm.config import KVTransferConfig
-        extra["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvtierConnector",
-            kv_connector_module_path="kvtier.vllm.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=config["connector"],
-        )
+        extra["kv_transfer_config"] = KVTransferConfig(**config["transfer"])
     llm = LLM(model=config["folder"], dtype="float32", enable_prefix_caching=True,
               max_model_len=config["max_model_len"], max_num_seqs=config["max_num_seqs"],
               max_num_batched_tokens=config["max_batched_tokens"], seed=0,
@@ -74,6 +69,32 @@ if __name__ == "__main__":
 """
 
 
+def kvtier_transfer(extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for kvtier's connector with ``extra`` as its
+    ``kv_connector_extra_config``."""
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def lmcache_transfer(host_mb: int, disk: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """vLLM's ``kv_transfer_config`` for LMCache's connector, and the environment that
+    gives LMCache ``host_mb`` of CPU memory and a disk folder (256-token chunks, as
+    kvtier's)."""
+    disk.mkdir(parents=True, exist_ok=True)
+    env = {
+        "LMCACHE_CHUNK_SIZE": "256",
+        "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{host_mb / 1024:.3f}",
+        "LMCACHE_LOCAL_DISK": f"file://{disk}/",
+        "LMCACHE_MAX_LOCAL_DISK_SIZE": "32",
+    }
+    return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, env
+
+
 def cpu_bind(threads: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` cores (``0``, ``0-1``, …)."""
     return "0" if threads == 1 else f"0-{threads - 1}"
@@ -99,8 +120,11 @@ class OfflineWorker:
         threads: cores vLLM's OpenMP binds.
         kv_gib: vLLM's own KV space.
         workdir: where the worker script and its log go.
-        connector: kvtier connector's ``kv_connector_extra_config`` (None: no connector).
+        transfer: vLLM's ``kv_transfer_config`` (``kvtier_transfer``, ``lmcache_transfer``;
+            None: no KV connector).
+        env: more environment (a connector's own settings).
         eager: skip vLLM's compilation (a faster start; both arms of a comparison alike).
+        label: names the worker in progress lines and its log file.
     """
 
     def __init__(
@@ -110,7 +134,8 @@ class OfflineWorker:
         threads: int,
         kv_gib: int,
         workdir: Path,
-        connector: dict[str, Any] | None = None,
+        transfer: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
         eager: bool = False,
         label: str = "offline",
     ) -> None:
@@ -121,7 +146,7 @@ class OfflineWorker:
             "max_model_len": MAX_MODEL_LEN,
             "max_num_seqs": MAX_NUM_SEQS,
             "max_batched_tokens": MAX_BATCHED_TOKENS,
-            "connector": connector,
+            "transfer": transfer,
             "eager": eager,
         }
         self.log_path = workdir / f"vllm-{label}-t{threads}.log"
@@ -130,7 +155,7 @@ class OfflineWorker:
         started = time.perf_counter()
         self.process = subprocess.Popen(
             [str(venv_python(venv)), str(script), json.dumps(config)],
-            env=vllm_env(threads, kv_gib),
+            env={**vllm_env(threads, kv_gib), **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -171,6 +196,11 @@ class OfflineWorker:
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's own prefix cache (a connector's tiers keep theirs)."""
         return bool(self._ask({"reset": True})["reset"])
+
+    def log_lines(self) -> list[str]:
+        """What the worker wrote to its log so far (vLLM's and its connector's lines)."""
+        self._log.flush()
+        return self.log_path.read_text(errors="replace").splitlines()
 
     def close(self) -> None:
         if self.process.poll() is None and self.process.stdin is not None:

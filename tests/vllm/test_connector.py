@@ -53,11 +53,12 @@ def vllm_setup() -> tuple[Path, Path]:
 
 
 def worker(setup: tuple[Path, Path], workdir: Path, connector: dict[str, Any] | None) -> Any:
-    from kvbench.vllm_offline import OfflineWorker
+    from kvbench.vllm_offline import OfflineWorker, kvtier_transfer
 
     venv, folder = setup
     label = "alone" if connector is None else "kvtier"
-    return OfflineWorker(venv, folder, 2, 1, workdir, connector, eager=True, label=label)
+    transfer = None if connector is None else kvtier_transfer(connector)
+    return OfflineWorker(venv, folder, 2, 1, workdir, transfer, eager=True, label=label)
 
 
 @pytest.fixture(scope="module")
