@@ -165,6 +165,7 @@ def test_bad_inputs_raise_a_clear_error() -> None:
         _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)
 
 
+@pytest.mark.slow  # a full compile of the kernels (~20 s)
 def test_a_cold_folder_compiles_and_the_next_process_loads_it(tmp_path: Path) -> None:
     """The real cold start (compile into an empty ``KVTIER_NATIVE_DIR``), then a warm one."""
     assert native.status().how in ("compiled", "cached")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from kvbench.kernel_choice import projections, run
 from kvtier.engine.llama import LlamaModel
 from kvtier.models import load_model
+
+pytestmark = pytest.mark.slow  # the slow phase of make test
 
 
 def test_the_packed_projections_are_the_models_and_every_case_is_timed() -> None:

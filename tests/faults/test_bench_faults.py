@@ -19,6 +19,8 @@ from kvbench.redis_cluster import RedisCluster, available
 from kvtier.engine import EngineConfig
 from tests.engine.tiny import CHUNK, engine_config
 
+pytestmark = pytest.mark.slow  # the slow phase of make test
+
 needs_redis = pytest.mark.skipif(available() is not None, reason=f"no Redis: {available()}")
 
 PROMPTS = [list(range(1000 + 97 * i, 1000 + 97 * i + 5 * CHUNK + 3)) for i in range(3)]

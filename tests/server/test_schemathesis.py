@@ -39,6 +39,8 @@ from kvtier.server.config import ServerConfig
 from tests.engine.tiny import engine_config, with_remote
 from tests.server.test_server import KEY, NAME, ServerThread
 
+pytestmark = pytest.mark.slow  # the slow phase of make test
+
 MAX_TOKENS = 4  # the most tokens a generated request may ask for
 EXAMPLES = 150  # hypothesis cases per operation and mode (the coverage phase adds its own)
 AUTH = {"Authorization": f"Bearer {KEY}"}
