@@ -238,6 +238,34 @@ class ManagerConfig:
         return next((t for t in self.lower_tiers if t.kind == kind), None)
 
 
+def lower_tiers_of(
+    disk_dir: str | None,
+    disk_mb: int,
+    remote: str | None,
+    remote_prefix: str,
+    remote_ttl_s: float,
+    remote_timeout_s: float,
+    remote_mb: int,
+) -> tuple[LowerTierConfig, ...]:
+    """The tiers below host that ``kvtier serve``'s flags (and the vLLM connector's keys of
+    the same names) ask for: a disk tier in ``disk_dir``, then the shared one at ``remote``
+    (``remote_ttl_s`` 0: chunks never expire). Raises ``ValueError`` as the configs do."""
+    tiers: list[LowerTierConfig] = []
+    if disk_dir is not None:
+        tiers.append(DiskConfig(path=disk_dir, capacity_bytes=disk_mb * MiB))
+    if remote is not None:
+        tiers.append(
+            RemoteConfig(
+                url=remote,
+                key_prefix=remote_prefix,
+                ttl_s=remote_ttl_s or None,
+                timeout_s=remote_timeout_s,
+                capacity_bytes=remote_mb * MiB,
+            )
+        )
+    return tuple(tiers)
+
+
 @dataclass(frozen=True)
 class PlacementRates:
     """Measured rates the choice is made from (GB/s are 1e9 bytes per second).

@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING
 from kvtier.config import (
     PLACEMENTS,
     WRITE_POLICIES,
-    DiskConfig,
     HostConfig,
     LowerTierConfig,
     ManagerConfig,
     MiB,
-    RemoteConfig,
     TieredCacheConfig,
+    lower_tiers_of,
 )
 from kvtier.server.config import KEYS_ENV, ServerConfig, read_api_keys
 
@@ -208,20 +207,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def lower_tiers(args: argparse.Namespace) -> tuple[LowerTierConfig, ...]:
     """The tiers below host the flags ask for: disk, then the shared one."""
-    tiers: list[LowerTierConfig] = []
-    if args.disk_dir is not None:
-        tiers.append(DiskConfig(path=args.disk_dir, capacity_bytes=args.disk_mb * MiB))
-    if args.remote is not None:
-        tiers.append(
-            RemoteConfig(
-                url=args.remote,
-                key_prefix=args.remote_prefix,
-                ttl_s=args.remote_ttl_s or None,
-                timeout_s=args.remote_timeout_s,
-                capacity_bytes=args.remote_mb * MiB,
-            )
-        )
-    return tuple(tiers)
+    return lower_tiers_of(
+        args.disk_dir,
+        args.disk_mb,
+        args.remote,
+        args.remote_prefix,
+        args.remote_ttl_s,
+        args.remote_timeout_s,
+        args.remote_mb,
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -25,15 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.config import (
-    WRITE_POLICIES,
-    DiskConfig,
-    HostConfig,
-    LowerTierConfig,
-    ManagerConfig,
-    MiB,
-    RemoteConfig,
-)
+from kvtier.config import WRITE_POLICIES, HostConfig, ManagerConfig, MiB, lower_tiers_of
 from kvtier.validate import check_int, check_number
 
 PREFIX = "kv_connector_extra_config"
@@ -89,26 +81,21 @@ def manager_config(extra: Mapping[str, Any] | None) -> ManagerConfig:
         raise _error(
             "write_policy", f"unknown {values['write_policy']!r}; accepted: {list(WRITE_POLICIES)}"
         )
-    lower: list[LowerTierConfig] = []
-    if values["disk_dir"] is not None:
-        lower.append(DiskConfig(path=values["disk_dir"], capacity_bytes=values["disk_mb"] * MiB))
-    if values["remote"] is not None:
-        lower.append(
-            RemoteConfig(
-                url=values["remote"],
-                key_prefix=values["remote_prefix"],
-                ttl_s=values["remote_ttl_s"] or None,
-                timeout_s=values["remote_timeout_s"],
-                capacity_bytes=values["remote_mb"] * MiB,
-            )
-        )
     try:
         return ManagerConfig(
             chunk_tokens=values["chunk_tokens"],
             write_policy=values["write_policy"],
             tenant_salt=values["salt"],
             host=HostConfig(capacity_bytes=values["host_mb"] * MiB),
-            lower_tiers=tuple(lower),
+            lower_tiers=lower_tiers_of(
+                values["disk_dir"],
+                values["disk_mb"],
+                values["remote"],
+                values["remote_prefix"],
+                values["remote_ttl_s"],
+                values["remote_timeout_s"],
+                values["remote_mb"],
+            ),
         )
     except ValueError as exc:  # a tier's own check (e.g. a URL it cannot parse)
         raise ValueError(f"{PREFIX}: {exc}") from None
