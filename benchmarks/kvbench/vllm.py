@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.sized("--history-tokens", 2048, 512, "each conversation's first prompt", type=int)
     parser.add_argument("--answer-tokens", type=int, default=256, minimum=1)
     parser.sized("--fit-prompts", 8, 2, "prompts of the fits workload", type=int, minimum=1)
-    parser.sized("--repeats", 3, 1, "repeats of the fits workload", type=int, minimum=1)
+    parser.sized("--repeats", 5, 1, "repeats of the fits workload", type=int, minimum=1)
     parser.sized("--kv-gib", 2, 1, "vLLM's own KV space per arm, GiB", type=int, minimum=1)
     parser.sized("--host-mb", 2048, 512, "kvtier's and LMCache's host MB", type=int)
     parser.add_argument("--threads", type=int, default=2, minimum=1, help="cores per arm")

@@ -20,7 +20,7 @@ from kvtier.manager import KVManager
 from kvtier.vllm.lookup import LookupClient, LookupServer, socket_address
 from kvtier.vllm.paged import PagedLayout, UnsupportedPagingError, gather_chunk, scatter_layer
 from kvtier.vllm.scheduler_side import SchedulerSide
-from kvtier.vllm.settings import manager_config
+from kvtier.vllm.settings import for_bursts, manager_config
 from kvtier.vllm.worker_side import WorkerSide, layer_index
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, chunk_tokens=16)
@@ -229,6 +229,40 @@ def test_saved_chunks_load_into_other_blocks_bit_exact(tmp_path: Path) -> None:
         loader.finish_step()
         assert loader.take_failed_blocks() == {1, 3, 4, 6}
         assert m.stats().recomputed_chunks_by_cause["missing"] == 1
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_one_steps_burst_of_saves_reaches_disk_whole_when_sized_for_it(
+    tmp_path: Path, sized: bool
+) -> None:
+    """One forward completes 12 chunks and the host tier holds 2: each save evicts one.
+    With the hop below host sized for the step (``for_bursts``, as the connector does),
+    all 12 are on disk or host afterwards; with kvtier's default queue of 4, most are
+    dropped (and would be recomputed)."""
+    num_chunks = 12
+    config = ManagerConfig(
+        chunk_tokens=LAYOUT.chunk_tokens,
+        host=HostConfig(capacity_bytes=2 * LAYOUT.chunk_nbytes),
+        lower_tiers=(DiskConfig(path=str(tmp_path), capacity_bytes=64 * LAYOUT.chunk_nbytes),),
+    )
+    if sized:
+        config = for_bursts(config, num_chunks * LAYOUT.chunk_tokens, LAYOUT.chunk_nbytes)
+        assert config.lower_tiers[0].write_queue_chunks == num_chunks
+    blocks = list(range(2 * num_chunks))
+    ids = list(range(1_000, 1_000 + num_chunks * LAYOUT.chunk_tokens))
+    with KVManager(LAYOUT, "vllm-test", config) as m:
+        side = SchedulerSide(m.hasher, lambda t, s: m.lookup(t, s).tiers, BLOCK, True, True)
+        saver = WorkerSide(m, PagedLayout(LAYOUT, BLOCK))
+        saver.register(kv_layers(len(blocks), seed=2))
+        side.after_alloc(request("a", ids), blocks, 0)
+        saver.save(side.build(step([("a", blocks, 0, len(ids))])).saves)
+        m.wait_writes()
+        held = len(m.lookup(ids).tiers)
+        dropped = m.stats().write_backs_dropped
+    if sized:
+        assert (held, dropped) == (num_chunks, 0)
+    else:
+        assert held < num_chunks and dropped > 0
 
 
 def test_layer_names_and_a_short_register_are_checked() -> None:

@@ -44,7 +44,7 @@ from kvtier.vllm.lookup import LookupClient, LookupServer, socket_address
 from kvtier.vllm.metadata import StepPlan
 from kvtier.vllm.paged import PagedLayout
 from kvtier.vllm.scheduler_side import SchedulerSide
-from kvtier.vllm.settings import manager_config
+from kvtier.vllm.settings import for_bursts, manager_config
 from kvtier.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -95,6 +95,8 @@ class KvtierConnector(KVConnectorBase_V1):
         config = manager_config(transfer.kv_connector_extra_config)
         model = vllm_config.model_config
         layout = KVLayout.from_model_config(model.hf_config, model.dtype, config.chunk_tokens)
+        step_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        config = for_bursts(config, step_tokens, layout.chunk_nbytes)
         block_size = int(vllm_config.cache_config.block_size)
         paged = PagedLayout(layout, block_size)
         model_id = vllm_model_id(model.model, getattr(model, "revision", None))

@@ -17,11 +17,12 @@ The keys a vLLM user sets, with kvtier serve's flag of the same meaning::
                                                        vLLM's block size)
 
 An unknown key or a bad value raises ``ValueError`` naming the key and what it accepts.
-Pure functions.
+``for_bursts`` then sizes the host tier's write-back for vLLM's steps. Pure functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -99,3 +100,28 @@ def manager_config(extra: Mapping[str, Any] | None) -> ManagerConfig:
         )
     except ValueError as exc:  # a tier's own check (e.g. a URL it cannot parse)
         raise ValueError(f"{PREFIX}: {exc}") from None
+
+
+def for_bursts(config: ManagerConfig, step_tokens: int, chunk_nbytes: int) -> ManagerConfig:
+    """``config`` with the hop below host sized for one vLLM step's saves.
+
+    One forward of up to ``step_tokens`` (vLLM's ``max_num_batched_tokens``) completes up
+    to ``step_tokens / chunk_tokens`` chunks at once (32 for a 8K step of 256-token
+    chunks), and each can evict one chunk from a full host tier. kvtier's own engine seals
+    chunks one at a time, so its default queue of 4 is enough there; under vLLM it drops
+    most of such a burst, and a dropped chunk is recomputed on its next use. So the write-back
+    queue and the link's in-flight bound below host hold one whole step (the queue's
+    buffers are allocated at start: ``burst × chunk_nbytes`` of host memory).
+    """
+    if not config.lower_tiers:
+        return config
+    burst_chunks = max(4, -(-step_tokens // config.chunk_tokens))
+    first = config.lower_tiers[0]
+    link = dataclasses.replace(
+        first.link,
+        max_inflight_bytes=max(first.link.max_inflight_bytes, burst_chunks * chunk_nbytes),
+    )
+    first = dataclasses.replace(
+        first, write_queue_chunks=max(first.write_queue_chunks, burst_chunks), link=link
+    )
+    return dataclasses.replace(config, lower_tiers=(first, *config.lower_tiers[1:]))
