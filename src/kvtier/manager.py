@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from kvtier.config import LinkConfig, ManagerConfig
 from kvtier.kv.chunk import Chunk, ChunkRef, chunk_refs
@@ -211,9 +212,20 @@ class KVManager:
         """
         self.host.put(chunks)
         for tier in self._write_behind:
-            tier.write_behind([c.ref for c in chunks], self.host)
+            tier.write_behind([c.ref for c in chunks], self.host, self._read_left_host)
         if self.hops and self.config.write_policy == "write_through":
             self._copy_down(0, [c.ref for c in chunks], block=False)
+
+    def _read_left_host(self, ref: ChunkRef, out: torch.Tensor) -> bool:
+        """``ChunkReader`` for write-behind: a chunk that left host before the shared tier's
+        writer read it, from a write-back queue or a tier between host and that tier (not
+        counted as a use). Runs on the writer's thread."""
+        for hop in self.hops:
+            if hop.lower.takes_write_behind:
+                return False
+            if hop.queue.read_into(ref, out) or hop.lower.get_into([ref], [out], as_use=False)[0]:
+                return True
+        return False
 
     def _copy_down(self, index: int, refs: Sequence[ChunkRef], block: bool) -> None:
         """Queue copies of ``refs`` from tier ``index`` to the tier below, on their link.

@@ -68,7 +68,8 @@ class WriteBackQueue:
         self._lock = threading.Lock()
         self._free = [layout.empty_chunk().zero_() for _ in range(num_buffers)]
         self._waiting: OrderedDict[ChunkKey, tuple[ChunkRef, torch.Tensor]] = OrderedDict()
-        self._writing: ChunkRef | None = None  # popped by the drain step, not landed yet
+        # popped by the drain step, not landed yet (its buffer is freed after the write)
+        self._writing: tuple[ChunkRef, torch.Tensor] | None = None
         self._steps = 0  # drain steps submitted and not yet run
         self.queued = 0  # victims accepted (read under the lock: ``counts``)
         self.dropped = 0  # accepted or offered victims that will never be written
@@ -89,7 +90,20 @@ class WriteBackQueue:
             writing = self._writing
         if entry is not None:
             return entry[0].token_ids == ref.token_ids
-        return writing is not None and writing == ref
+        return writing is not None and writing[0] == ref
+
+    def read_into(self, ref: ChunkRef, out: torch.Tensor) -> bool:
+        """Copy ``ref``'s bytes into ``out`` if it waits here or is being written down
+        (False otherwise, ``out`` untouched). For a reader that missed the chunk in the
+        upper tier while its write-back has not landed (the shared tier's writer)."""
+        with self._lock:
+            entry = self._waiting.get(ref.key)
+            if entry is None and self._writing is not None and self._writing[0].key == ref.key:
+                entry = self._writing
+            if entry is None or entry[0].token_ids != ref.token_ids:
+                return False
+            copy_bytes(out, entry[1])  # under the lock: the buffer is not freed meanwhile
+        return True
 
     def offer(self, victim: Chunk) -> None:
         """Evict hook of the upper tier: queue ``victim`` for the lower tier if it lacks it.
@@ -144,7 +158,7 @@ class WriteBackQueue:
             if not self._waiting:
                 return  # its chunk was dropped to make room for a newer one
             _, (ref, buffer) = self._waiting.popitem(last=False)
-            self._writing = ref
+            self._writing = (ref, buffer)
         try:
             self.lower.put([Chunk(ref, buffer)])  # an I/O error disables its writes instead
         except TierFullError as exc:  # every slot below is pinned: recomputed if needed

@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
 import torch
 
 from kvbench.redis_cluster import RedisCluster, available, free_ports
-from kvtier.config import RemoteConfig
+from kvtier.config import DiskConfig, HostConfig, ManagerConfig, RemoteConfig
 from kvtier.kv import Chunk, KVLayout
+from kvtier.manager import KVManager
 from kvtier.tiers import host_tier, remote_format
 from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.remote import RemoteTier
@@ -183,6 +185,36 @@ def test_write_behind_reads_from_host_and_drops_the_oldest_when_full(
     assert stats.writes_dropped + stats.writes_skipped == 6
     dead.close()
     host.close()
+
+
+def test_a_burst_that_overruns_host_still_reaches_the_store_past_the_disk(
+    redis_cluster: RedisCluster, layout: KVLayout, tmp_path: Path
+) -> None:
+    """Eight chunks stored at once into a host tier of two, with a disk between host and
+    the store: six leave host (written back to disk; the queue holds them all) before the
+    store's writer reads them. It reads those from where they went (the write-back queue or the disk), so
+    every one reaches the store."""
+    config = ManagerConfig(
+        chunk_tokens=layout.chunk_tokens,
+        host=HostConfig(capacity_bytes=2 * layout.chunk_nbytes),
+        lower_tiers=(
+            DiskConfig(
+                path=str(tmp_path), capacity_bytes=64 * layout.chunk_nbytes, write_queue_chunks=8
+            ),
+            RemoteConfig(url=redis_cluster.url, key_prefix=_prefix(), timeout_s=5.0),
+        ),
+    )
+    chunks = make_chunks(layout, 8)
+    with KVManager(layout, "test-model", config) as manager:
+        manager.store(chunks)
+        manager.wait_writes()
+        store = manager.tier("remote")
+        store.sync()
+        assert [store.contains(c.ref) for c in chunks] == [True] * 8
+        assert store.stats().writes_dropped == 0
+        out = layout.empty_chunk()
+        assert store.get_into([chunks[0].ref], [out]) == [True]
+        assert torch.equal(out, chunks[0].data)
 
 
 def test_write_behind_sends_nothing_the_store_holds_and_renews_its_ttl(

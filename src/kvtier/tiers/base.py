@@ -25,7 +25,14 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
 from kvtier.tiers.index import ChunkIndex
-from kvtier.tiers.types import ChunkLostError, EvictHook, PutResult, TierFullError, TierStats
+from kvtier.tiers.types import (
+    ChunkLostError,
+    ChunkReader,
+    EvictHook,
+    PutResult,
+    TierFullError,
+    TierStats,
+)
 
 __all__ = ["ChunkLostError", "EvictHook", "PutResult", "Tier", "TierFullError", "TierStats"]
 
@@ -178,9 +185,12 @@ class Tier(ABC):
         with self._lock:
             self._stats.writes_skipped += num_chunks
 
-    def write_behind(self, refs: Iterable[ChunkRef], source: Tier) -> None:
+    def write_behind(
+        self, refs: Iterable[ChunkRef], source: Tier, fallback: ChunkReader | None = None
+    ) -> None:
         """Queue chunks ``source`` holds to be copied here later (``takes_write_behind``
-        tiers only); never blocks."""
+        tiers only); never blocks. A chunk that has left ``source`` by then is read
+        through ``fallback`` instead (from wherever it went), if given."""
         raise NotImplementedError(f"{self.name}: takes no write-behind")
 
     def sync(self) -> None:

@@ -58,7 +58,7 @@ from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.remote_client import Guard, Unavailable, connect, ping_every_node, store_errors
 from kvtier.tiers.remote_reads import ValueReader
 from kvtier.tiers.remote_writes import OwnedValues, WriteBehindQueue
-from kvtier.tiers.types import PutResult
+from kvtier.tiers.types import ChunkReader, PutResult
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ class RemoteTier(Tier):
         self._guard = Guard(config.url, config.timeout_s, config.retry_after_s, self._count_error)
         self._call = self._guard.call
         self._source: PoolTier | None = None  # where write-behind reads from (host)
+        self._fallback: ChunkReader | None = None  # where it reads a chunk that left host
+        self._scratch: torch.Tensor | None = None  # the writer thread's chunk buffer
         self._queue = WriteBehindQueue(self._write_batch, config.write_behind_chunks, _BATCH_CHUNKS)
         # The values this instance wrote, least recently used first: key -> value bytes
         # (under self._lock; the size cap deletes from the front).
@@ -214,13 +216,18 @@ class RemoteTier(Tier):
             result.stored.extend(c.key for c in todo)
         return result
 
-    def write_behind(self, refs: Iterable[ChunkRef], source: Tier) -> None:
+    def write_behind(
+        self, refs: Iterable[ChunkRef], source: Tier, fallback: ChunkReader | None = None
+    ) -> None:
         """Queue chunks that ``source`` (host) holds, to be read from it and written by the
-        writer thread. Never blocks: past ``write_behind_chunks`` the oldest waiting ref
-        is dropped and counted (``writes_dropped``)."""
+        writer thread; one that left host meanwhile is read through ``fallback`` (the tiers
+        and write-back queues between, ``KVManager``), so a burst that overruns host still
+        reaches the store. Never blocks: past ``write_behind_chunks`` the oldest waiting
+        ref is dropped and counted (``writes_dropped``)."""
         if not isinstance(source, PoolTier):
             raise ValueError(f"write_behind: the source must be a memory pool, not {source.name}")
         self._source = source
+        self._fallback = fallback
         dropped = self._queue.offer(refs)
         if dropped:
             with self._lock:
@@ -259,7 +266,7 @@ class RemoteTier(Tier):
         try:
             values = []
             for ref, ok in zip(refs, pinned, strict=True):
-                data = source.view(ref) if ok else None
+                data = source.view(ref) if ok else self._read_elsewhere(ref)
                 if data is not None:
                     values.append((ref, remote_format.encode(self.layout, ref, _bytes_of(data))))
         finally:
@@ -270,6 +277,15 @@ class RemoteTier(Tier):
                 self._stats.writes_dropped += gone  # left host before it was written
         if values:
             self._write(values)
+
+    def _read_elsewhere(self, ref: ChunkRef) -> torch.Tensor | None:
+        """``ref``'s bytes through the fallback reader (into a buffer of the writer
+        thread's), or None where there is none or it holds the chunk nowhere."""
+        if self._fallback is None:
+            return None
+        if self._scratch is None:
+            self._scratch = self.layout.empty_chunk()
+        return self._scratch if self._fallback(ref, self._scratch) else None
 
     def _write(self, values: list[tuple[ChunkRef, bytes]]) -> bool:
         """``SET`` each encoded value with the TTL, in one pipeline; False (counted as

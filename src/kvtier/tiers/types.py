@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 
+import torch
+
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 
@@ -98,3 +100,8 @@ class PutResult:
 EvictHook = Callable[[Chunk], None]
 """Called with a victim (its data readable for the duration of the call) before its slot
 is freed; the manager uses it to write back to the next tier. Runs under the tier lock."""
+
+ChunkReader = Callable[[ChunkRef, torch.Tensor], bool]
+"""Copies a chunk's bytes into a caller-owned buffer from wherever it is held; False (the
+buffer untouched or partly written) when it is held nowhere the reader looks. Thread-safe;
+blocks for the copy."""
