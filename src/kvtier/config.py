@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvtier.policy.eviction import EVICTION_POLICIES
+from kvtier.policy.registry import EVICTION_POLICIES
 from kvtier.validate import check_int
 
 GiB = 1 << 30

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,15 +16,20 @@ class ChunkRef:
     """Names one sealed chunk: its key and the token ids it holds.
 
     The token ids travel with the key so that every tier can compare them on a hit: a
-    key collision then reads as a miss, never as wrong KV.
+    key collision then reads as a miss, never as wrong KV. ``parent`` is the key of the
+    chunk before this one in its sequence (None for a first chunk, or where it is not
+    known, e.g. a chunk read back from disk); eviction uses it to keep prefixes whole
+    (``kvtier.policy.prefix``). It is a hint: refs compare and hash by key and token ids.
     """
 
     key: ChunkKey
     token_ids: tuple[int, ...]
+    parent: ChunkKey | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, key: ChunkKey, token_ids: object) -> ChunkRef:
-        return cls(key, tuple(int(t) for t in np.asarray(token_ids, dtype=np.int64).ravel()))
+    def of(cls, key: ChunkKey, token_ids: object, parent: ChunkKey | None = None) -> ChunkRef:
+        ids = tuple(int(t) for t in np.asarray(token_ids, dtype=np.int64).ravel())
+        return cls(key, ids, parent)
 
     @property
     def num_tokens(self) -> int:
@@ -62,4 +67,7 @@ def chunk_refs(
     ids = np.asarray(token_ids, dtype=np.int64)
     size = hasher.chunk_tokens
     keys = hasher.chain(ids, salt)
-    return [ChunkRef.of(key, ids[i * size : (i + 1) * size]) for i, key in enumerate(keys)]
+    return [
+        ChunkRef.of(key, ids[i * size : (i + 1) * size], keys[i - 1] if i else None)
+        for i, key in enumerate(keys)
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.policy.eviction import EVICTION_POLICIES, EvictionPolicy, LRUPolicy, make_policy
+from kvtier.policy.eviction import EvictionPolicy, LRUPolicy
+from kvtier.policy.registry import EVICTION_POLICIES, make_policy
 
 __all__ = ["EVICTION_POLICIES", "EvictionPolicy", "LRUPolicy", "make_policy"]

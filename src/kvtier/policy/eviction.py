@@ -1,7 +1,10 @@
 """Eviction policies: which unpinned chunk leaves a full tier first.
 
 A policy only orders keys; the tier owns the data, the pins and the lock. Policies are not
-thread-safe on their own: every call happens under the owning tier's lock.
+thread-safe on their own: every call happens under the owning tier's lock. This module
+holds the interface and the two history-free policies (LRU, FIFO); S3-FIFO
+(``kvtier.policy.s3fifo``), ARC (``kvtier.policy.arc``) and the prefix-aware rule
+(``kvtier.policy.prefix``) sit beside it, and ``kvtier.policy.registry`` names them all.
 """
 
 from __future__ import annotations
@@ -10,17 +13,30 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 
+IsPinned = Callable[[Hashable], bool]
+"""Whether a tracked key must not be offered as a victim now (pinned, or held back)."""
+
 
 class EvictionPolicy(ABC):
     """Orders resident keys for eviction.
 
-    Contract: ``insert`` adds a key that is not tracked, ``touch`` records a use of a
-    tracked key, ``remove`` forgets a tracked key, and ``candidates`` yields tracked keys
-    best-victim first. None of them blocks; none is thread-safe (the tier locks).
+    Contract (every call O(1) amortised unless it says otherwise; none blocks; none is
+    thread-safe: the tier calls them under its lock):
+
+    - ``insert(key, parent)`` adds a key that is not tracked; ``parent`` is the key of the
+      chunk before it in its sequence (None for a sequence's first chunk, or unknown).
+    - ``touch`` records a use of a tracked key.
+    - ``victims(count, is_pinned)`` returns up to ``count`` tracked keys to evict, best
+      first, none for which ``is_pinned`` is true; it does not stop tracking them (the
+      caller ``remove``s those it evicts) but may reorder its queues while it looks.
+    - ``remove`` forgets a tracked key. Policies with history (ghost lists) remember a key
+      removed after ``victims`` offered it; a key removed otherwise leaves no trace.
+    - ``readmit`` tracks a key again as (one of) the next victims: for a key that was set
+      aside (``kvtier.policy.prefix``) and whose eviction is now due.
     """
 
     @abstractmethod
-    def insert(self, key: Hashable) -> None: ...
+    def insert(self, key: Hashable, parent: Hashable | None = None) -> None: ...
 
     @abstractmethod
     def touch(self, key: Hashable) -> None: ...
@@ -29,30 +45,23 @@ class EvictionPolicy(ABC):
     def remove(self, key: Hashable) -> None: ...
 
     @abstractmethod
-    def candidates(self) -> Iterator[Hashable]:
-        """Tracked keys, best victim first. The caller must not mutate while iterating."""
+    def readmit(self, key: Hashable) -> None: ...
 
-    def victims(self, count: int, is_pinned: Callable[[Hashable], bool]) -> list[Hashable]:
+    @abstractmethod
+    def victims(self, count: int, is_pinned: IsPinned) -> list[Hashable]:
         """Up to ``count`` unpinned keys in eviction order (fewer if too many are pinned)."""
-        chosen: list[Hashable] = []
-        for key in self.candidates():
-            if len(chosen) == count:
-                break
-            if not is_pinned(key):
-                chosen.append(key)
-        return chosen
 
     @abstractmethod
     def __len__(self) -> int: ...
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first. ``victims`` scans past pinned keys (O(pinned))."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
         self._order[key] = None
 
     def touch(self, key: Hashable) -> None:
@@ -61,8 +70,22 @@ class LRUPolicy(EvictionPolicy):
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 
+    def readmit(self, key: Hashable) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
     def candidates(self) -> Iterator[Hashable]:
+        """Tracked keys, best victim first. The caller must not mutate while iterating."""
         return iter(self._order)
+
+    def victims(self, count: int, is_pinned: IsPinned) -> list[Hashable]:
+        chosen: list[Hashable] = []
+        for key in self.candidates():
+            if len(chosen) == count:
+                break
+            if not is_pinned(key):
+                chosen.append(key)
+        return chosen
 
     def __len__(self) -> int:
         return len(self._order)
@@ -73,19 +96,3 @@ class FIFOPolicy(LRUPolicy):
 
     def touch(self, key: Hashable) -> None:
         return None
-
-
-EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "fifo": FIFOPolicy,
-}
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    """A new policy by registry name; ``ValueError`` names the accepted values."""
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        raise ValueError(
-            f"eviction_policy: unknown policy {name!r}; accepted: {sorted(EVICTION_POLICIES)}"
-        ) from None

@@ -156,7 +156,7 @@ def _partial_ref(kv: PrefixTarget, ids: torch.Tensor) -> ChunkRef:
     refs = kv.state.refs[0] if kv.state.refs else []
     parent = refs[-1].key if refs else None
     key = kv.manager.hasher.partial_key(parent, ids.numpy(), kv.state.salt)
-    return ChunkRef.of(key, ids)
+    return ChunkRef.of(key, ids, parent)
 
 
 def _pages_on(kv: PrefixTarget) -> bool:
@@ -176,7 +176,7 @@ def _candidates(
         refs = kv.state.refs[0] if kv.state.refs else []
         parent = refs[-1].key if refs else None
         key = kv.manager.hasher.key(parent, whole.numpy(), kv.state.salt)
-        yield ChunkRef.of(key, whole), most
+        yield ChunkRef.of(key, whole, parent), most
     for tokens in range(most, 0, -page):
         yield _partial_ref(kv, ids[0, base : base + tokens]), tokens
 

@@ -113,7 +113,8 @@ class SequenceState:
         parent = self.refs[row][-1] if self.refs[row] else None
         if bool((ids < 0).any()) or (parent is not None and not parent.token_ids):
             return ChunkRef(os.urandom(hasher.digest_bytes), ())
-        return ChunkRef.of(hasher.key(parent.key if parent else None, ids.numpy(), self.salt), ids)
+        parent_key = parent.key if parent else None
+        return ChunkRef.of(hasher.key(parent_key, ids.numpy(), self.salt), ids, parent_key)
 
     def crop(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens, all of them in the tail.

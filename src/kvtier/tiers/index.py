@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvtier.kv.chunk import ChunkRef
 from kvtier.kv.keys import ChunkKey
-from kvtier.policy.eviction import EvictionPolicy, make_policy
+from kvtier.policy import EvictionPolicy, make_policy
 from kvtier.tiers.types import TierStats
 
 
@@ -80,7 +80,7 @@ class ChunkIndex:
             raise ValueError(f"{self.tier_name}: chunk {ref.short()} indexed twice")
         entry = self._entries[ref.key] = Entry(ref=ref, slot=slot, ready=ready)
         if ready:
-            self.policy.insert(ref.key)
+            self.policy.insert(ref.key, ref.parent)
         return entry
 
     def mark_ready(self, key: ChunkKey, slot: int) -> None:
@@ -88,7 +88,7 @@ class ChunkIndex:
         entry = self._entries.get(key)
         if entry is not None and entry.slot == slot and not entry.ready:
             entry.ready = True
-            self.policy.insert(key)
+            self.policy.insert(key, entry.ref.parent)
 
     def pin(self, refs: Iterable[ChunkRef]) -> list[bool]:
         """Pin each held chunk once more; False for each chunk not held."""

@@ -1,0 +1,117 @@
+"""S3-FIFO (Yang et al., SOSP'23): a small FIFO that filters one-hit chunks, a main FIFO
+with second chances, and a ghost FIFO that remembers what the small queue evicted.
+
+    queue   holds                          on eviction from its head
+    small   new keys (target 10 % of all)  used since insert (freq > 0): to main, freq 0;
+                                           else the victim, and its key goes to ghost
+    main    keys that proved reuse         freq > 0: freq - 1, back to the tail; else victim
+    ghost   keys only (as many as tracked) a key inserted again while in ghost goes to main
+
+Uses raise a key's ``freq`` up to 3. The policy is not told the tier's size: it takes the
+most keys it has tracked at once (the tier's slot count once full) as the cache size for
+the 10 % target and the ghost's length. A pinned key met at a head goes to its queue's tail
+(it is in use). Every call is O(1) amortised: each step of a victim search moves a key to
+main (once per insert), spends a use (once per ``touch``) or passes a pinned key.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from kvtier.policy.eviction import EvictionPolicy, IsPinned
+
+SMALL_FRACTION = 0.1
+MAX_FREQ = 3
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO over tracked keys; see the module docstring. Not thread-safe (tier lock)."""
+
+    def __init__(self) -> None:
+        self._small: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
+        self._main: OrderedDict[Hashable, None] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
+        self._freq: dict[Hashable, int] = {}
+        self._offered: dict[Hashable, bool] = {}  # offered by victims: True if from small
+        self._capacity_chunks = 0  # most keys tracked at once
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main) + len(self._offered)
+
+    def insert(self, key: Hashable, parent: Hashable | None = None) -> None:
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+        self._freq[key] = 0
+        self._capacity_chunks = max(self._capacity_chunks, len(self))
+
+    def touch(self, key: Hashable) -> None:
+        if self._offered.pop(key, None) is not None:
+            self._main[key] = None  # used while offered: it stays, as if just promoted
+        self._freq[key] = min(self._freq[key] + 1, MAX_FREQ)
+
+    def remove(self, key: Hashable) -> None:
+        from_small = self._offered.pop(key, None)
+        if from_small is None:
+            self._small.pop(key, None)
+            self._main.pop(key, None)
+        elif from_small:
+            self._ghost[key] = None
+            while len(self._ghost) > max(self._capacity_chunks, 1):
+                self._ghost.popitem(last=False)
+        self._freq.pop(key, None)
+
+    def readmit(self, key: Hashable) -> None:
+        self._ghost.pop(key, None)
+        self._main[key] = None
+        self._main.move_to_end(key, last=False)
+        self._freq[key] = 0
+
+    def victims(self, count: int, is_pinned: IsPinned) -> list[Hashable]:
+        chosen = [k for k in self._offered if not is_pinned(k)][:count]
+        while len(chosen) < count:
+            key = self._next_victim(is_pinned)
+            if key is None:
+                break
+            chosen.append(key)
+        return chosen
+
+    def _next_victim(self, is_pinned: IsPinned) -> Hashable | None:
+        small_first = len(self._small) >= SMALL_FRACTION * self._capacity_chunks
+        for from_small in (small_first, not small_first):
+            key = self._from_small(is_pinned) if from_small else self._from_main(is_pinned)
+            if key is not None:
+                return key
+        return None
+
+    def _from_small(self, is_pinned: IsPinned) -> Hashable | None:
+        for _ in range(len(self._small)):
+            key = next(iter(self._small))
+            if self._freq[key] > 0:
+                del self._small[key]
+                self._main[key] = None
+                self._freq[key] = 0
+            elif is_pinned(key):
+                self._small.move_to_end(key)
+            else:
+                del self._small[key]
+                self._offered[key] = True
+                return key
+        return None
+
+    def _from_main(self, is_pinned: IsPinned) -> Hashable | None:
+        for _ in range((MAX_FREQ + 1) * len(self._main)):
+            key = next(iter(self._main))
+            if self._freq[key] > 0:
+                self._freq[key] -= 1
+                self._main.move_to_end(key)
+            elif is_pinned(key):
+                self._main.move_to_end(key)
+            else:
+                del self._main[key]
+                self._offered[key] = False
+                return key
+        return None
