@@ -16,6 +16,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 WRITE_POLICIES = ("write_through", "write_back")
+CODEC_NAMES = ("raw", "fp8", "int8", "int4")
+"""The chunk codecs a lower tier may store in (``kvtier.codec.CODECS``; named here so the
+config stays free of torch). Only ``raw`` is exact; the others change tokens a little."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,24 @@ class LowerTierConfig(TierConfig):
             at once (each waits in a spare chunk-sized buffer); when the queue is full the
             oldest waiting write is dropped and counted (``ManagerStats.write_backs_dropped``)
             and that chunk is recomputed if it is needed again. 0: evicted chunks are dropped.
+        codec: the format chunks are stored in (``kvtier.codec``): ``raw`` (exact, the
+            default), ``fp8``, ``int8`` or ``int4`` (a quarter to an eighth of the bytes, at
+            a measured cost in tokens: ``kvtier bench codec``). Encoded as chunks are
+            written down, decoded on the link's worker as they are read up; a chunk stored
+            with another codec is not read (a miss: recomputed).
     """
 
     link: LinkConfig = field(default_factory=LinkConfig)
     write_queue_chunks: int = 4
+    codec: str = "raw"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int(f"{self.kind}.write_queue_chunks", self.write_queue_chunks)
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(
+                f"{self.kind}.codec: unknown {self.codec!r}; accepted: {list(CODEC_NAMES)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,13 +259,16 @@ def lower_tiers_of(
     remote_ttl_s: float,
     remote_timeout_s: float,
     remote_mb: int,
+    disk_codec: str = "raw",
+    remote_codec: str = "raw",
 ) -> tuple[LowerTierConfig, ...]:
     """The tiers below host that ``kvtier serve``'s flags (and the vLLM connector's keys of
     the same names) ask for: a disk tier in ``disk_dir``, then the shared one at ``remote``
-    (``remote_ttl_s`` 0: chunks never expire). Raises ``ValueError`` as the configs do."""
+    (``remote_ttl_s`` 0: chunks never expire), each in its codec. Raises ``ValueError`` as
+    the configs do."""
     tiers: list[LowerTierConfig] = []
     if disk_dir is not None:
-        tiers.append(DiskConfig(path=disk_dir, capacity_bytes=disk_mb * MiB))
+        tiers.append(DiskConfig(path=disk_dir, capacity_bytes=disk_mb * MiB, codec=disk_codec))
     if remote is not None:
         tiers.append(
             RemoteConfig(
@@ -261,6 +277,7 @@ def lower_tiers_of(
                 ttl_s=remote_ttl_s or None,
                 timeout_s=remote_timeout_s,
                 capacity_bytes=remote_mb * MiB,
+                codec=remote_codec,
             )
         )
     return tuple(tiers)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvtier.config import (
+    CODEC_NAMES,
     PLACEMENTS,
     DiskConfig,
     HostConfig,
@@ -97,6 +98,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--link-gbps", type=float, default=None, help="throttle host->device")
     parser.add_argument("--link-latency-ms", type=float, default=0.0)
     parser.add_argument("--disk-dir", default=None, help="also keep chunks on disk here")
+    parser.add_argument(
+        "--disk-codec",
+        choices=CODEC_NAMES,
+        default="raw",
+        help="the disk tier's chunk format: raw is exact; fp8/int8/int4 are smaller and "
+        "change tokens a little",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
@@ -152,13 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         loaded.model_id,
         ManagerConfig(
             host=HostConfig(capacity_bytes=layout.kv_nbytes(2 * final_tokens + 1024)),
-            lower_tiers=(DiskConfig(path=args.disk_dir),) if args.disk_dir is not None else (),
+            lower_tiers=(DiskConfig(path=args.disk_dir, codec=args.disk_codec),)
+            if args.disk_dir is not None
+            else (),
         ),
     )
     say(
         f"prompt: {ids.shape[1]} tokens, KV {layout.kv_nbytes(final_tokens) / 1e6:.0f} MB; "
         f"device budget {budget_bytes / 1e6:.0f} MB ({args.budget:.0%})"
     )
+    if args.disk_dir is not None:
+        exact = "exact" if args.disk_codec == "raw" else "lossy: tokens may differ"
+        say(f"disk tier: {args.disk_dir}, chunks stored as {args.disk_codec} ({exact})")
     say("turn 1, baseline: all-resident transformers DynamicCache (one prefill call)…")
     baseline = run_baseline(model, ids, args.max_new_tokens, tokenizer)
     say("turn 1, kvtier: TieredCache…")

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvtier.config import (
+    CODEC_NAMES,
     PLACEMENTS,
     WRITE_POLICIES,
     HostConfig,
@@ -123,6 +124,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--disk-dir", default=None, help="keep KV on disk here (survives restarts)")
     parser.add_argument("--disk-mb", type=int, default=32 * 1024, help="disk tier size")
     parser.add_argument(
+        "--disk-codec",
+        choices=CODEC_NAMES,
+        default="raw",
+        help="the disk tier's chunk format: raw is exact; fp8/int8/int4 store 1/4 to 1/8 of "
+        "the bytes and change tokens a little (docs/benchmarks.md, bench codec)",
+    )
+    parser.add_argument(
         "--remote",
         default=None,
         metavar="URL",
@@ -141,6 +149,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=64 * 1024,
         help="the most this instance keeps in the shared tier (its least recently used "
         "values are deleted past it)",
+    )
+    parser.add_argument(
+        "--remote-codec",
+        choices=CODEC_NAMES,
+        default="raw",
+        help="the shared tier's chunk format (as --disk-codec); instances reuse each other's "
+        "KV only in the same codec",
     )
     parser.add_argument(
         "--remote-timeout-s",
@@ -215,6 +230,8 @@ def lower_tiers(args: argparse.Namespace) -> tuple[LowerTierConfig, ...]:
         args.remote_ttl_s,
         args.remote_timeout_s,
         args.remote_mb,
+        args.disk_codec,
+        args.remote_codec,
     )
 
 

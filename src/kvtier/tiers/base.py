@@ -21,6 +21,7 @@ from dataclasses import asdict
 
 import torch
 
+from kvtier.codec import Codec, get_codec
 from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
@@ -54,6 +55,9 @@ class Tier(ABC):
         capacity_bytes: the byte budget; the tier never holds more than
             ``capacity_bytes // layout.chunk_nbytes`` chunks.
         eviction_policy: registry name of the eviction policy.
+        codec: registry name of the chunk codec its stored bytes are in
+            (``kvtier.codec``); slots are ``codec.encoded_nbytes(layout)`` long, and the
+            budget, ``used_bytes`` and the byte counters count those stored bytes.
     """
 
     takes_write_behind = False
@@ -65,12 +69,19 @@ class Tier(ABC):
     disables further writes instead of reaching the caller; reads continue."""
 
     def __init__(
-        self, name: str, layout: KVLayout, capacity_bytes: int, eviction_policy: str = "lru"
+        self,
+        name: str,
+        layout: KVLayout,
+        capacity_bytes: int,
+        eviction_policy: str = "lru",
+        codec: str = "raw",
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{name}.capacity_bytes: must be >= 0, got {capacity_bytes}")
         self.name, self.layout, self.capacity_bytes = name, layout, int(capacity_bytes)
-        self.num_slots = self.capacity_bytes // layout.chunk_nbytes
+        self.codec: Codec = get_codec(codec)
+        self.stored_chunk_nbytes = self.codec.encoded_nbytes(layout)
+        self.num_slots = self.capacity_bytes // self.stored_chunk_nbytes
         self._lock = threading.RLock()
         self._stats = TierStats()
         self._index = ChunkIndex(name, eviction_policy, self._stats)
@@ -139,7 +150,7 @@ class Tier(ABC):
     def used_bytes(self) -> int:
         """Bytes held, counting slots reserved by puts still in progress."""
         with self._lock:
-            return self._index.num_entries * self.chunk_nbytes
+            return self._index.num_entries * self.stored_chunk_nbytes
 
     def __len__(self) -> int:
         with self._lock:
@@ -284,7 +295,7 @@ class Tier(ABC):
                 with self._lock:
                     self._index.mark_ready(chunk.key, slot)
                     self._stats.puts += 1
-                    self._stats.bytes_in += self.chunk_nbytes
+                    self._stats.bytes_in += self.stored_chunk_nbytes
                     self._stats.put_seconds += elapsed
                 result.stored.append(chunk.key)
         finally:
@@ -327,7 +338,7 @@ class Tier(ABC):
                 if ok:
                     if as_use:
                         self._stats.hits += 1
-                        self._stats.bytes_out += self.chunk_nbytes
+                        self._stats.bytes_out += self.stored_chunk_nbytes
                         self._stats.get_seconds += elapsed
                 else:
                     self._stats.corrupt_dropped += 1

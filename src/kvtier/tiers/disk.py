@@ -72,6 +72,7 @@ class DiskTier(Tier):
             where it does not, e.g. tmpfs; see ``o_direct``).
         fsync: end every ``put`` with ``fdatasync``; without it call ``sync()``.
         verify_on_open: also check every chunk's data hash at open (reads all data).
+        codec: the stored bytes' codec (``kvtier.codec``), named in every slot header.
     """
 
     degrade_on_io_error = True
@@ -86,23 +87,24 @@ class DiskTier(Tier):
         use_o_direct: bool = True,
         fsync: bool = True,
         verify_on_open: bool = False,
+        codec: str = "raw",
     ) -> None:
-        super().__init__("disk", layout, capacity_bytes, eviction_policy)
+        super().__init__("disk", layout, capacity_bytes, eviction_policy, codec)
         if self.num_slots < 1:
-            minimum_mb = -(-layout.chunk_nbytes // (1 << 20))
+            minimum_mb = -(-self.stored_chunk_nbytes // (1 << 20))
             raise ValueError(
                 f"disk.capacity_bytes (--disk-mb): {capacity_bytes} bytes holds no chunk; "
-                f"give at least {layout.chunk_nbytes} bytes (--disk-mb {minimum_mb}), one "
-                "chunk of this model, or no disk tier"
+                f"give at least {self.stored_chunk_nbytes} bytes (--disk-mb {minimum_mb}), "
+                "one chunk of this model, or no disk tier"
             )
         if segment_nbytes < 1:
             raise ValueError(f"disk.segment_nbytes: must be >= 1, got {segment_nbytes}")
         self.path = os.path.abspath(os.fspath(path))
         self.fsync = fsync
-        self._format = SlotFormat.for_layout(layout)
+        self._format = SlotFormat.for_layout(layout, self.codec)
         self.header_nbytes = self._format.header_nbytes
         self.slot_nbytes = self._format.slot_nbytes
-        self._data_end = self.header_nbytes + layout.chunk_nbytes  # in a slot
+        self._data_end = self.header_nbytes + self.stored_chunk_nbytes  # in a slot
         # Slot byte ranges moved as one I/O each: the first holds the header.
         bounds = list(range(self.header_nbytes + PIECE_NBYTES, self.slot_nbytes, PIECE_NBYTES))
         self._pieces = list(zip([0, *bounds], [*bounds, self.slot_nbytes], strict=True))
@@ -192,7 +194,9 @@ class DiskTier(Tier):
                 f"{MAX_KEY_NBYTES} bytes and {self._format.max_tokens} tokens"
             )
         staging, head = self._staging(), self.header_nbytes
-        src = data.detach().contiguous().view(-1).view(torch.uint8)
+        src = data.detach().contiguous().view(-1).view(torch.uint8) if self.codec.exact else None
+        if src is None:  # encoded straight into the slot's bytes in the staging buffer
+            self.codec.encode_into(data.detach(), staging.tensor[head : self._data_end])
         segment, index = divmod(slot, self.segment_slots)
         offset, hasher = index * self.slot_nbytes, data_hasher()
         writes: list[Future[None]] = []
@@ -202,7 +206,8 @@ class DiskTier(Tier):
             # piece goes down with the header (one write for a slot of one piece).
             for i, (start, end) in enumerate(self._pieces):
                 lo, hi = max(start, head), min(end, self._data_end)  # chunk bytes of the piece
-                copy_bytes(staging.tensor[lo:hi], src[lo - head : hi - head])
+                if src is not None:
+                    copy_bytes(staging.tensor[lo:hi], src[lo - head : hi - head])
                 hasher.update(staging.view[lo:hi])
                 if i > 0:
                     piece = staging.view[start:end]
@@ -230,7 +235,7 @@ class DiskTier(Tier):
                 f"give {self.layout.chunk_shape} {self.layout.dtype}"
             )
         try:
-            if out.is_contiguous():  # copied piece by piece as the pieces land
+            if out.is_contiguous() and self.codec.exact:  # copied as the pieces land
                 return self._read_verified(slot, ref, out.view(-1).view(torch.uint8)) is not None
             if self._read_verified(slot, ref) is None:
                 return False
@@ -238,16 +243,14 @@ class DiskTier(Tier):
             self.count_io_error()
             log.warning("disk: reading chunk %s from %s failed: %s", ref.short(), self.path, exc)
             return False
-        src = self._staging().tensor[self.header_nbytes : self.header_nbytes + self.chunk_nbytes]
-        out.copy_(src.view(self.layout.dtype).view(self.layout.chunk_shape))
+        self.codec.decode_into(self._staging().tensor[self.header_nbytes : self._data_end], out)
         return True
 
     def _victim_data(self, slot: int) -> torch.Tensor | None:
         if self._read_verified(slot) is None:
             return None
-        src = self._staging().tensor[self.header_nbytes : self.header_nbytes + self.chunk_nbytes]
         data = self.layout.empty_chunk()
-        copy_bytes(data, src)
+        self.codec.decode_into(self._staging().tensor[self.header_nbytes : self._data_end], data)
         return data
 
     def _end_put(self) -> None:

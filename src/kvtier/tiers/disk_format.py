@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from kvtier.codec import Codec, RawCodec
 from kvtier.kv.chunk import ChunkRef
 from kvtier.kv.layout import KVLayout
 from kvtier.tiers.disk_io import round_up
@@ -95,10 +96,15 @@ class SlotFormat:
     header_nbytes: int
 
     @classmethod
-    def for_layout(cls, layout: KVLayout) -> SlotFormat:
-        """The format of ``layout``: room in the header for ``chunk_tokens`` token ids."""
+    def for_layout(cls, layout: KVLayout, codec: Codec | None = None) -> SlotFormat:
+        """The format of ``layout``'s chunks stored with ``codec`` (default ``raw``): room in
+        the header for ``chunk_tokens`` token ids; the fingerprint names the codec
+        (``Codec.fingerprint``), so segments of another codec are other files and their
+        headers fail ``decode``."""
+        codec = codec or RawCodec()
         header_nbytes = round_up(_FIXED.size + 8 * layout.chunk_tokens)
-        return cls(layout.fingerprint().encode(), layout.chunk_nbytes, header_nbytes)
+        fingerprint = codec.fingerprint(layout).encode()
+        return cls(fingerprint, codec.encoded_nbytes(layout), header_nbytes)
 
     @property
     def slot_nbytes(self) -> int:

@@ -47,6 +47,7 @@ def _build_disk(config: DiskConfig, layout: KVLayout) -> Tier:
         config.capacity_bytes,
         eviction_policy=config.eviction_policy,
         fsync=config.fsync,
+        codec=config.codec,
     )
 
 

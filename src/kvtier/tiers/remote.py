@@ -77,12 +77,12 @@ class RemoteTier(Tier):
     takes_write_behind = True
 
     def __init__(self, layout: KVLayout, config: RemoteConfig) -> None:
-        super().__init__("remote", layout, config.capacity_bytes)
-        if config.capacity_bytes < layout.chunk_nbytes:
-            minimum_mb = -(-layout.chunk_nbytes // (1 << 20))
+        super().__init__("remote", layout, config.capacity_bytes, codec=config.codec)
+        if config.capacity_bytes < self.stored_chunk_nbytes:
+            minimum_mb = -(-self.stored_chunk_nbytes // (1 << 20))
             raise ValueError(
                 f"remote.capacity_bytes (--remote-mb): {config.capacity_bytes} bytes holds no "
-                f"chunk; give at least {layout.chunk_nbytes} (--remote-mb {minimum_mb})"
+                f"chunk; give at least {self.stored_chunk_nbytes} (--remote-mb {minimum_mb})"
             )
         self.config = config
         self._client: Any = None
@@ -97,7 +97,9 @@ class RemoteTier(Tier):
         # The values this instance wrote, least recently used first: key -> value bytes
         # (under self._lock; the size cap deletes from the front).
         self._owned = OwnedValues(config.capacity_bytes)
-        self._reader = ValueReader(layout, self.key, lambda: self.client, self._guard, _READ_AHEAD)
+        self._reader = ValueReader(
+            layout, self.key, lambda: self.client, self._guard, _READ_AHEAD, self.codec
+        )
         with contextlib.suppress(Unavailable):  # connect now: one clear line if it cannot
             self._call(lambda: ping_every_node(self.client))
 
@@ -117,7 +119,7 @@ class RemoteTier(Tier):
 
     def key(self, ref: ChunkRef) -> str:
         """The Redis key of ``ref``'s chunk."""
-        return remote_format.chunk_key(self.config.key_prefix, self.layout, ref)
+        return remote_format.chunk_key(self.config.key_prefix, self.layout, ref, self.codec)
 
     @property
     def available(self) -> bool:
@@ -156,7 +158,7 @@ class RemoteTier(Tier):
         replies = self._call(read) if refs else []
         heads = replies[:: 2 if renew else 1]
         return [
-            bool(h) and remote_format.names(self.layout, r, h)
+            bool(h) and remote_format.names(self.layout, r, h, self.codec)
             for r, h in zip(refs, heads, strict=True)
         ]
 
@@ -190,7 +192,7 @@ class RemoteTier(Tier):
             self._stats.hits += ok and as_use
             self._stats.misses += (not ok) and as_use
             if ok and as_use:
-                self._stats.bytes_out += self.chunk_nbytes
+                self._stats.bytes_out += self.stored_chunk_nbytes
                 self._stats.get_seconds += elapsed
             if ok:
                 self._owned.touch(key)
@@ -209,9 +211,7 @@ class RemoteTier(Tier):
         held = self._duplicates([c.ref for c in chunks]) or [False] * len(chunks)
         todo = [c for c, h in zip(chunks, held, strict=True) if not h]
         result.already_present.extend(c.key for c, h in zip(chunks, held, strict=True) if h)
-        encoded = [
-            (c.ref, remote_format.encode(self.layout, c.ref, _bytes_of(c.data))) for c in todo
-        ]
+        encoded = [(c.ref, self._value(c.ref, c.data)) for c in todo]
         if todo and self._write(encoded):
             result.stored.extend(c.key for c in todo)
         return result
@@ -268,7 +268,7 @@ class RemoteTier(Tier):
             for ref, ok in zip(refs, pinned, strict=True):
                 data = source.view(ref) if ok else self._read_elsewhere(ref)
                 if data is not None:
-                    values.append((ref, remote_format.encode(self.layout, ref, _bytes_of(data))))
+                    values.append((ref, self._value(ref, data)))
         finally:
             source.unpin([r for r, ok in zip(refs, pinned, strict=True) if ok])
         gone = len(refs) - len(values)
@@ -277,6 +277,11 @@ class RemoteTier(Tier):
                 self._stats.writes_dropped += gone  # left host before it was written
         if values:
             self._write(values)
+
+    def _value(self, ref: ChunkRef, data: torch.Tensor) -> bytes:
+        """``ref``'s value, encoded on the calling thread (the writer, or a link's worker)."""
+        stored = data if self.codec.exact else self.codec.encode(data.detach(), self.layout)
+        return remote_format.encode(self.layout, ref, _bytes_of(stored), self.codec)
 
     def _read_elsewhere(self, ref: ChunkRef) -> torch.Tensor | None:
         """``ref``'s bytes through the fallback reader (into a buffer of the writer
@@ -306,7 +311,7 @@ class RemoteTier(Tier):
             return False
         with self._lock:
             self._stats.puts += len(values)
-            self._stats.bytes_in += len(values) * self.chunk_nbytes
+            self._stats.bytes_in += len(values) * self.stored_chunk_nbytes
             self._stats.put_seconds += time.perf_counter() - start
             victims = self._owned.record([(self.key(r), len(v)) for r, v in values])
             self._stats.evictions += len(victims)
@@ -341,7 +346,7 @@ class RemoteTier(Tier):
 
     def clear(self) -> None:
         """Delete every chunk of this layout under the prefix (every instance's)."""
-        pattern = remote_format.layout_pattern(self.config.key_prefix, self.layout)
+        pattern = remote_format.layout_pattern(self.config.key_prefix, self.layout, self.codec)
         try:
             keys = self._call(lambda: list(self.client.scan_iter(match=pattern, count=500)))
         except Unavailable:
@@ -358,7 +363,7 @@ class RemoteTier(Tier):
     def __len__(self) -> int:
         """Chunks of this layout under the prefix, every instance's (a ``SCAN`` of the
         store: slow on a large one; 0 while it is down)."""
-        pattern = remote_format.layout_pattern(self.config.key_prefix, self.layout)
+        pattern = remote_format.layout_pattern(self.config.key_prefix, self.layout, self.codec)
         try:
             return self._call(lambda: sum(1 for _ in self.client.scan_iter(match=pattern)))
         except Unavailable:

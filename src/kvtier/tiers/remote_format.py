@@ -5,7 +5,8 @@ model, the layout and the tenant salt (``kvtier.kv.keys``), so two models, layou
 tenants never share a key; the layout digest keeps one layout's chunks apart for
 operators, and the prefix lets an ACL user be limited to ``~{prefix}:*``.
 
-Value: a header, then the chunk's bytes (``KVLayout.chunk_nbytes``)::
+Value: a header, then the chunk's stored bytes (``Codec.encoded_nbytes``: the chunk's own
+bytes with the ``raw`` codec)::
 
     magic "KVTREDIS" | version u32 | header bytes u32 | layout digest (16) | layers u32 |
     tokens u32 | data bytes u64 | key length u16 | key | token ids (int64 each) |
@@ -13,6 +14,9 @@ Value: a header, then the chunk's bytes (``KVLayout.chunk_nbytes``)::
 
 A value is served only when all of it matches what the reader expects (format, layout,
 key, token ids, length and checksum): a corrupt, truncated or foreign value reads as None.
+The layout digest covers the chunk codec (``Codec.fingerprint``; every function takes the
+codec, default ``raw``), so keys and headers of one codec never match a reader of another:
+such a chunk is a miss, never decoded as the wrong codec.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import struct
 import numpy as np
 import xxhash
 
+from kvtier.codec import Codec, RawCodec
 from kvtier.kv.chunk import ChunkRef
 from kvtier.kv.layout import KVLayout
 
@@ -31,22 +36,25 @@ _FIXED = struct.Struct("<8sII16sIIQH")
 _CHECKSUM = struct.Struct("<Q")
 
 
-def layout_digest(layout: KVLayout) -> bytes:
-    """16 bytes naming the layout (``KVLayout.fingerprint``)."""
-    return xxhash.xxh3_128_digest(layout.fingerprint().encode())
+_RAW = RawCodec()
 
 
-def chunk_key(prefix: str, layout: KVLayout, ref: ChunkRef) -> str:
+def layout_digest(layout: KVLayout, codec: Codec = _RAW) -> bytes:
+    """16 bytes naming the layout and the codec (``Codec.fingerprint``)."""
+    return xxhash.xxh3_128_digest(codec.fingerprint(layout).encode())
+
+
+def chunk_key(prefix: str, layout: KVLayout, ref: ChunkRef, codec: Codec = _RAW) -> str:
     """The Redis key of ``ref``'s chunk."""
-    return f"{prefix}:{layout_digest(layout).hex()}:{ref.key.hex()}"
+    return f"{prefix}:{layout_digest(layout, codec).hex()}:{ref.key.hex()}"
 
 
-def encode(layout: KVLayout, ref: ChunkRef, data: memoryview) -> bytes:
-    """The value of ``ref``'s chunk, whose bytes are ``data``."""
+def encode(layout: KVLayout, ref: ChunkRef, data: memoryview, codec: Codec = _RAW) -> bytes:
+    """The value of ``ref``'s chunk, whose stored (``codec``-encoded) bytes are ``data``."""
     tokens = np.asarray(ref.token_ids, dtype="<i8").tobytes()
     head_nbytes = _FIXED.size + len(ref.key) + len(tokens)
     header = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, head_nbytes, layout_digest(layout), layout.num_layers,
+        MAGIC, FORMAT_VERSION, head_nbytes, layout_digest(layout, codec), layout.num_layers,
         len(ref.token_ids), len(data), len(ref.key),
     ) + ref.key + tokens  # fmt: skip
     hasher = xxhash.xxh3_64(header)
@@ -57,23 +65,25 @@ def encode(layout: KVLayout, ref: ChunkRef, data: memoryview) -> bytes:
 MAX_KEY_NBYTES = 64  # a chunk key is a blake2b digest (kvtier.kv.keys)
 
 
-def max_value_nbytes(layout: KVLayout) -> int:
+def max_value_nbytes(layout: KVLayout, codec: Codec = _RAW) -> int:
     """The length of the longest intact value of ``layout``: a whole chunk's, with the
     longest key."""
-    return _FIXED.size + MAX_KEY_NBYTES + 8 * layout.chunk_tokens + layout.chunk_nbytes + 8
+    data_nbytes = codec.encoded_nbytes(layout)
+    return _FIXED.size + MAX_KEY_NBYTES + 8 * layout.chunk_tokens + data_nbytes + 8
 
 
-def value_nbytes(layout: KVLayout, ref: ChunkRef) -> int:
+def value_nbytes(layout: KVLayout, ref: ChunkRef, codec: Codec = _RAW) -> int:
     """The length of an intact value of ``ref``'s chunk."""
-    return header_nbytes(ref) + layout.chunk_nbytes + _CHECKSUM.size
+    return header_nbytes(ref) + codec.encoded_nbytes(layout) + _CHECKSUM.size
 
 
 def decode(
-    layout: KVLayout, ref: ChunkRef, value: bytes | memoryview
+    layout: KVLayout, ref: ChunkRef, value: bytes | memoryview, codec: Codec = _RAW
 ) -> tuple[str, memoryview | None]:
     """What ``value`` holds for a read of ``ref``'s chunk of ``layout``: ``("ok", data)``;
     ``("other", None)``: an intact value of another chunk under this key (a collision);
-    ``("corrupt", None)``: anything else (damaged, truncated, another format)."""
+    ``("corrupt", None)``: anything else (damaged, truncated, another format or codec).
+    ``data`` is the stored bytes, still ``codec``-encoded."""
     corrupt = ("corrupt", None)
     view = memoryview(value)
     if len(view) < _FIXED.size + _CHECKSUM.size or bytes(view[:8]) != MAGIC:
@@ -83,9 +93,9 @@ def decode(
     )
     if (
         version != FORMAT_VERSION
-        or digest != layout_digest(layout)
+        or digest != layout_digest(layout, codec)
         or layers != layout.num_layers
-        or data_nbytes != layout.chunk_nbytes
+        or data_nbytes != codec.encoded_nbytes(layout)
         or head_nbytes != _FIXED.size + key_len + 8 * num_tokens
         or len(view) != head_nbytes + data_nbytes + _CHECKSUM.size
     ):
@@ -103,9 +113,10 @@ def decode(
     return ("ok", data)
 
 
-def layout_pattern(prefix: str, layout: KVLayout) -> str:
-    """A ``SCAN`` pattern matching every chunk key of ``layout`` under ``prefix``."""
-    return f"{prefix}:{layout_digest(layout).hex()}:*"
+def layout_pattern(prefix: str, layout: KVLayout, codec: Codec = _RAW) -> str:
+    """A ``SCAN`` pattern matching every chunk key of ``layout`` and ``codec`` under
+    ``prefix``."""
+    return f"{prefix}:{layout_digest(layout, codec).hex()}:*"
 
 
 def header_nbytes(ref: ChunkRef) -> int:
@@ -113,7 +124,7 @@ def header_nbytes(ref: ChunkRef) -> int:
     return _FIXED.size + len(ref.key) + 8 * len(ref.token_ids)
 
 
-def names(layout: KVLayout, ref: ChunkRef, head: bytes) -> bool:
+def names(layout: KVLayout, ref: ChunkRef, head: bytes, codec: Codec = _RAW) -> bool:
     """True if ``head`` (a value's first ``header_nbytes(ref)`` bytes) is the header of
     ``ref``'s chunk of ``layout``: format, layout, key and token ids (the checksum needs
     the whole value: ``decode``)."""
@@ -126,9 +137,9 @@ def names(layout: KVLayout, ref: ChunkRef, head: bytes) -> bool:
     tokens = np.frombuffer(view[_FIXED.size + key_len : head_nbytes], dtype="<i8")
     return bool(
         version == FORMAT_VERSION
-        and digest == layout_digest(layout)
+        and digest == layout_digest(layout, codec)
         and layers == layout.num_layers
-        and data_nbytes == layout.chunk_nbytes
+        and data_nbytes == codec.encoded_nbytes(layout)
         and head_nbytes == len(view)
         and num_tokens == len(ref.token_ids)
         and key_len == len(ref.key)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.codec import Codec, RawCodec
 from kvtier.kv.chunk import ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
@@ -139,6 +140,7 @@ class ValueReader:
         client: the redis-py client (connected on first use).
         guard: runs the calls.
         depth: reads running ahead of the reader at most.
+        codec: the codec of the stored values (default ``raw``); decoded into ``out``.
     """
 
     def __init__(
@@ -148,11 +150,13 @@ class ValueReader:
         client: Callable[[], Any],
         guard: Guard,
         depth: int = 2,
+        codec: Codec | None = None,
     ) -> None:
         self.layout, self._key_of, self._client, self._guard = layout, key_of, client, guard
+        self.codec = codec or RawCodec()
         self._buffers = ReadBuffers(keep=depth + 2)
         # Touched now, so no request pays the first touch of its read buffers.
-        self._buffers.reserve(remote_format.max_value_nbytes(layout) + 1, depth + 1)
+        self._buffers.reserve(remote_format.max_value_nbytes(layout, self.codec) + 1, depth + 1)
         self._ahead = ReadAhead(self._start, self._nbytes, self._buffers, depth)
 
     def plan(self, refs: Sequence[ChunkRef]) -> None:
@@ -187,16 +191,18 @@ class ValueReader:
         try:
             if not filled:
                 return "missing"
-            status, data = remote_format.decode(self.layout, ref, buffer.data[:filled])
-            if data is not None:
+            status, data = remote_format.decode(self.layout, ref, buffer.data[:filled], self.codec)
+            if data is not None and self.codec.exact:
                 out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(data, np.uint8)
+            elif data is not None:  # decoded on the reading thread (a link's worker)
+                self.codec.decode_into(torch.frombuffer(data, dtype=torch.uint8), out)
             return status
         finally:
             self._buffers.give(buffer)
 
     def _nbytes(self, ref: ChunkRef) -> int:
         """The buffer a read of ``ref`` needs: its value and one byte past it."""
-        return remote_format.value_nbytes(self.layout, ref) + 1
+        return remote_format.value_nbytes(self.layout, ref, self.codec) + 1
 
     def _start(self, ref: ChunkRef, buffer: np.ndarray) -> Future[int]:
         """Start reading ``ref``'s value into ``buffer`` (``Unavailable`` while down)."""
