@@ -22,4 +22,5 @@ BENCHMARKS = (
     "shared",
     "faults",
     "vllm",
+    "eviction",
 )
