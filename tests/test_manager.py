@@ -163,3 +163,18 @@ def test_prefetch_to_host_promotes_in_background(layout: KVLayout, tmp_path: Pat
 def test_chunk_size_mismatch_is_a_clear_error(layout: KVLayout) -> None:
     with pytest.raises(ValueError, match="chunk_tokens"):
         KVManager(layout, "m", ManagerConfig(chunk_tokens=32))
+
+
+def test_stats_name_each_tiers_eviction_policy(layout: KVLayout, tmp_path: Path) -> None:
+    config = ManagerConfig(
+        chunk_tokens=layout.chunk_tokens,
+        host=HostConfig(capacity_bytes=2 * layout.chunk_nbytes, eviction_policy="arc+prefix"),
+        lower_tiers=(DiskConfig(path=str(tmp_path), eviction_policy="s3fifo"),),
+    )
+    with KVManager(layout, "test-model", config) as manager:
+        manager.store(sequence_chunks(manager, np.arange(4 * layout.chunk_tokens)))
+        stats = manager.stats()
+    assert stats.eviction_policies == {"host": "arc+prefix", "disk": "s3fifo"}
+    assert stats.tiers["host"].evictions == 2
+    table = stats.table()
+    assert "arc+prefix" in table and "s3fifo" in table

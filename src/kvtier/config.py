@@ -261,14 +261,22 @@ def lower_tiers_of(
     remote_mb: int,
     disk_codec: str = "raw",
     remote_codec: str = "raw",
+    eviction_policy: str = "lru",
 ) -> tuple[LowerTierConfig, ...]:
     """The tiers below host that ``kvtier serve``'s flags (and the vLLM connector's keys of
     the same names) ask for: a disk tier in ``disk_dir``, then the shared one at ``remote``
-    (``remote_ttl_s`` 0: chunks never expire), each in its codec. Raises ``ValueError`` as
-    the configs do."""
+    (``remote_ttl_s`` 0: chunks never expire), each in its codec; the disk tier evicts by
+    ``eviction_policy``. Raises ``ValueError`` as the configs do."""
     tiers: list[LowerTierConfig] = []
     if disk_dir is not None:
-        tiers.append(DiskConfig(path=disk_dir, capacity_bytes=disk_mb * MiB, codec=disk_codec))
+        tiers.append(
+            DiskConfig(
+                path=disk_dir,
+                capacity_bytes=disk_mb * MiB,
+                codec=disk_codec,
+                eviction_policy=eviction_policy,
+            )
+        )
     if remote is not None:
         tiers.append(
             RemoteConfig(

@@ -335,6 +335,7 @@ class KVManager:
                 write_through_dropped=self._write_through_dropped,
                 write_backs_queued=sum(queued for queued, _ in queue_counts),
                 write_backs_dropped=sum(dropped for _, dropped in queue_counts),
+                eviction_policies={t.kind: t.eviction_policy for t in self.config.tiers},
             )
 
     def close(self, flush_host_to_disk: bool = False) -> None:

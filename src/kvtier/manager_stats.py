@@ -57,6 +57,9 @@ class ManagerStats:
         write_backs_dropped: queued write-backs dropped because the write-back queue was
             full (the oldest waiting one goes) or the link had no room; such a chunk is
             recomputed if it is needed again, never served wrong.
+        eviction_policies: by tier name, the registry name of the policy its config asks
+            for (``kvtier.policy.registry``; the shared tier's own size cap deletes the
+            values this instance wrote least recently used first).
     """
 
     tiers: dict[str, TierStats]
@@ -68,17 +71,18 @@ class ManagerStats:
     write_through_dropped: int = 0
     write_backs_queued: int = 0
     write_backs_dropped: int = 0
+    eviction_policies: dict[str, str] = field(default_factory=dict)
 
     def table(self) -> str:
         """A plain-text table of what moved where."""
         head = f"{'tier':<8}{'chunks in':>10}{'MB in':>10}{'hits':>8}{'misses':>8}"
         head += f"{'MB out':>10}{'evicted':>9}{'corrupt':>9}{'GB/s in':>9}{'GB/s out':>9}"
-        rows = [head]
+        rows = [head + "  eviction"]
         for name, s in self.tiers.items():
             rows.append(
                 f"{name:<8}{s.puts:>10}{s.bytes_in / 1e6:>10.1f}{s.hits:>8}{s.misses:>8}"
                 f"{s.bytes_out / 1e6:>10.1f}{s.evictions:>9}{s.corrupt_dropped:>9}"
-                f"{s.put_gbps:>9.2f}{s.get_gbps:>9.2f}"
+                f"{s.put_gbps:>9.2f}{s.get_gbps:>9.2f}  {self.eviction_policies.get(name, '-')}"
             )
         for name, ls in self.links.items():
             rows.append(

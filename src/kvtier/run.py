@@ -34,6 +34,7 @@ from kvtier.kv import KVLayout
 from kvtier.machine import machine_info
 from kvtier.manager import KVManager
 from kvtier.models import chat_ids, load_model
+from kvtier.policy import EVICTION_POLICIES
 
 FILLER = [
     "The grass is green and the sky is blue.",
@@ -105,6 +106,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the disk tier's chunk format: raw is exact; fp8/int8/int4 are smaller and "
         "change tokens a little",
     )
+    parser.add_argument(
+        "--eviction-policy",
+        choices=sorted(EVICTION_POLICIES),
+        default="lru",
+        help="which chunk host and disk evict first (as kvtier serve's flag)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
@@ -159,8 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         layout,
         loaded.model_id,
         ManagerConfig(
-            host=HostConfig(capacity_bytes=layout.kv_nbytes(2 * final_tokens + 1024)),
-            lower_tiers=(DiskConfig(path=args.disk_dir, codec=args.disk_codec),)
+            host=HostConfig(
+                capacity_bytes=layout.kv_nbytes(2 * final_tokens + 1024),
+                eviction_policy=args.eviction_policy,
+            ),
+            lower_tiers=(
+                DiskConfig(
+                    path=args.disk_dir, codec=args.disk_codec, eviction_policy=args.eviction_policy
+                ),
+            )
             if args.disk_dir is not None
             else (),
         ),
@@ -218,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "second_turn_recompute_ttft_s": recompute.ttft_s,
         "second_turn_ttft_speedup": recompute.ttft_s / second.ttft_s,
         "second_turn_reused_tokens": second.reused_tokens,
+        "eviction_policy": args.eviction_policy,
     }
     print(f"\nmachine: {machine_info()['cpu']}; link host->device: {link_desc}")
     print(f"pass key {pass_key}; kvtier answered {first.text!r}; baseline {baseline.text!r}")

@@ -120,3 +120,15 @@ def test_serve_flags_put_the_shared_tier_below_disk() -> None:
     assert isinstance(remote, RemoteConfig)
     assert (remote.key_prefix, remote.ttl_s, remote.timeout_s) == ("team", 60.0, 0.2)
     assert remote.url.endswith("10.0.0.2:7000")
+
+
+def test_serve_eviction_policy_flag_reaches_host_and_disk() -> None:
+    from kvtier.server.launch import engine_config as serve_engine_config
+    from kvtier.server.launch import parse_args
+
+    flags = ["--disk-dir", "/tmp/kv", "--eviction-policy", "s3fifo+prefix"]
+    manager = serve_engine_config(parse_args(flags)).manager
+    assert [t.eviction_policy for t in manager.tiers] == ["s3fifo+prefix"] * 2
+    assert serve_engine_config(parse_args([])).manager.host.eviction_policy == "lru"
+    with pytest.raises(SystemExit):
+        parse_args(["--eviction-policy", "lfu"])

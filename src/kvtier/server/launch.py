@@ -31,6 +31,7 @@ from kvtier.config import (
     TieredCacheConfig,
     lower_tiers_of,
 )
+from kvtier.policy import EVICTION_POLICIES
 from kvtier.server.config import KEYS_ENV, ServerConfig, read_api_keys
 
 if TYPE_CHECKING:
@@ -172,6 +173,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per KV chunk")
     parser.add_argument(
+        "--eviction-policy",
+        choices=sorted(EVICTION_POLICIES),
+        default="lru",
+        help="which chunk host and disk evict first: lru, fifo, s3fifo, arc; NAME+prefix "
+        "also keeps a chunk until its held children are gone (docs/benchmarks.md, bench "
+        "eviction)",
+    )
+    parser.add_argument(
         "--placement",
         choices=PLACEMENTS,
         default="stream",
@@ -214,7 +223,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         manager=ManagerConfig(
             chunk_tokens=args.chunk_tokens,
             write_policy=args.write_policy,
-            host=HostConfig(capacity_bytes=args.host_mb * MiB),
+            host=HostConfig(
+                capacity_bytes=args.host_mb * MiB, eviction_policy=args.eviction_policy
+            ),
             lower_tiers=lower_tiers(args),
         ),
     )
@@ -232,6 +243,7 @@ def lower_tiers(args: argparse.Namespace) -> tuple[LowerTierConfig, ...]:
         args.remote_mb,
         args.disk_codec,
         args.remote_codec,
+        args.eviction_policy,
     )
 
 

@@ -66,6 +66,14 @@ class EngineCollector(Collector):
         for name, tier in tiers.items():
             disabled.add_metric([name], tier.writes_disabled)
         yield disabled
+        policies = GaugeMetricFamily(
+            "kvtier_tier_eviction_policy",
+            "1 for the eviction policy each tier runs (kvtier serve --eviction-policy)",
+            labels=["tier", "policy"],
+        )
+        for name, policy in (stats.manager.eviction_policies if stats.manager else {}).items():
+            policies.add_metric([name, policy], 1)
+        yield policies
         yield from self._faults(stats)
         yield from self._occupancy(stats)
         yield from self._decisions(stats)
