@@ -44,6 +44,7 @@ def segmented_attention(
     causal: bool = True,
     mask: Tensor | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The segments' attention from ``attend_segment`` and ``merge`` (host ones on the CPU,
     their merged result shipped back), as the runtime composes them."""
@@ -70,6 +71,7 @@ def segmented_attention(
             key_start=s.start_pos,
             valid_mask=valid,
             mask=m,
+            softcap=softcap,
         )
 
     partial = [one(s, query.device) for s in segments if not s.on_host]
@@ -89,8 +91,10 @@ def reference(
     scale: float,
     query_positions: Tensor,
     valid: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """Plain full attention in float64 over concatenated KV (position p = column p).
+    """Plain full attention in float64 over concatenated KV (position p = column p),
+    with the scores soft-capped as transformers' eager attention does (``softcap``).
 
     Rows that see no key give 0 (the segmented convention).
     """
@@ -99,6 +103,8 @@ def reference(
     k = key.double().repeat_interleave(groups, dim=1)
     v = value.double().repeat_interleave(groups, dim=1)
     scores = torch.matmul(query.double(), k.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     k_pos = torch.arange(key.shape[2])
     q_pos = query_positions.expand(b, sq) if query_positions.dim() == 1 else query_positions
     allowed = (k_pos <= q_pos.unsqueeze(-1))[:, None]  # [B, 1, Sq, Sk]
@@ -153,6 +159,41 @@ def test_matches_full_attention(sq: int, hq: int, hkv: int, num_segments: int) -
     expected = reference(query, key, value, scale, q_pos)
     assert out.dtype == query.dtype
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sq", [1, 7])
+@pytest.mark.parametrize("num_segments", [1, 3])
+def test_soft_capped_segments_match_capped_full_attention(sq: int, num_segments: int) -> None:
+    """Gemma 2's cap ``c · tanh(s / c)`` per score: segments merged give the capped full
+    attention, which a cap of 2 on these scores (std ~2) visibly changes."""
+    total, cap = 23, 2.0
+    query, key, value, gen = make_qkv(2, 9, 3, sq, total, seed=num_segments * 10 + sq)
+    segments = split(key, value, random_lengths(gen, total, num_segments))
+    q_pos = torch.arange(total - sq, total)
+    expected = reference(query, key, value, 0.25, q_pos, softcap=cap)
+    uncapped = reference(query, key, value, 0.25, q_pos)
+    assert (expected - uncapped).abs().max() > 0.05  # the cap bites
+    out = segmented_attention(query, segments, 0.25, softcap=cap)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_soft_capped_lse_is_the_logsumexp_of_the_capped_scores() -> None:
+    query, key, value, _ = make_qkv(2, 4, 2, 3, 9, seed=7)
+    result = attend_segment(query, key, value, 0.25, softcap=1.5)
+    k = key.repeat_interleave(2, dim=1)
+    scores = torch.matmul(query, k.transpose(-1, -2)) * 0.25
+    expected = torch.logsumexp(torch.tanh(scores / 1.5) * 1.5, dim=-1)
+    torch.testing.assert_close(result.lse, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3)])
+def test_attend_own_keys_soft_caps_its_scores(hq: int, hkv: int) -> None:
+    query, key, value, _ = make_qkv(2, hq, hkv, 37, 37, seed=3)
+    result = attend_own_keys(query, key, value, 0.25, softcap=2.0)
+    expected = reference(query, key, value, 0.25, torch.arange(37), softcap=2.0)
+    torch.testing.assert_close(result.out.double(), expected, atol=1e-5, rtol=1e-5)
+    uncapped = attend_own_keys(query, key, value, 0.25)
+    assert (result.out - uncapped.out).abs().max() > 0.05
 
 
 def test_left_padding_and_per_row_positions() -> None:

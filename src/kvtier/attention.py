@@ -17,6 +17,12 @@ Masking model: a key at absolute position ``k`` is visible to a query at positio
 (False marks padding) and an optional extra mask allows it. A query row that sees no key of a
 segment gets ``lse = -inf`` and ``out = 0`` and drops out of the merge without NaN.
 
+Soft-capping (Gemma 2): with ``softcap = c`` every scaled score ``s`` becomes
+``c · tanh(s / c)`` before the mask and the softmax, as transformers' eager attention does.
+The cap is elementwise on each score, so a segment's ``out`` and ``lse`` are those of the
+capped scores and the merge stays exact. Capped segments take the plain matmul softmax (the
+fused CPU flash kernel has no cap).
+
 Numerics: scores, softmax and the weighted sum run in float32 (bf16/fp16 inputs are
 upcast); partial results stay float32; callers cast the merged output back.
 """
@@ -63,6 +69,7 @@ def attend_segment(
     key_start: int = 0,
     valid_mask: Tensor | None = None,
     mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> SegmentResult:
     """Attention of ``query`` over one KV segment, with its log-sum-exp.
 
@@ -81,6 +88,8 @@ def attend_segment(
         valid_mask: optional ``[B, Sk]`` bool, False for padding keys.
         mask: optional extra mask broadcastable to ``[B, Hq, Sq, Sk]``: bool (True = attend)
             or additive float.
+        softcap: attention logit soft-cap ``c`` (scores become ``c · tanh(s / c)`` before
+            the mask); None: no cap.
 
     Returns:
         ``SegmentResult(out [B, Hq, Sq, D] float32, lse [B, Hq, Sq] float32)``.
@@ -120,24 +129,28 @@ def attend_segment(
         if mask is None:
             rows = rows.expand(mb, mh, groups, sq).reshape(mb, mh, groups * sq)
         seen = rows.expand(b, hkv, groups * sq)
-    out, lse = attend_flat(q, k, v, flat_mask, scale, seen)
+    out, lse = attend_flat(q, k, v, flat_mask, scale, seen, softcap)
     return SegmentResult(out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq))
 
 
-def attend_own_keys(query: Tensor, key: Tensor, value: Tensor, scale: float) -> SegmentResult:
+def attend_own_keys(
+    query: Tensor, key: Tensor, value: Tensor, scale: float, softcap: float | None = None
+) -> SegmentResult:
     """Causal attention of ``S`` new tokens over exactly their own keys, with log-sum-exp.
 
     The case of a prefill piece that starts a chunk: query ``i`` sees keys ``0..i``. On the
     CPU it is one call of torch's fused flash kernel with its causal flag (no mask is built
     and the masked half of the scores is skipped); grouped-query K/V are repeated to the
-    query heads for it (``S × Hq × D`` elements, small next to the attention). Elsewhere it
-    is ``attend_segment`` with the causal rule.
+    query heads for it (``S × Hq × D`` elements, small next to the attention). Elsewhere,
+    and for soft-capped scores (the kernel has no cap), it is ``attend_segment`` with the
+    causal rule.
 
     Args:
         query: ``[B, Hq, S, D]``.
         key: ``[B, Hkv, S, D]``: the keys of the same ``S`` positions.
         value: ``[B, Hkv, S, D]``.
         scale: multiplier of the scores.
+        softcap: attention logit soft-cap (see ``attend_segment``); None: no cap.
 
     Returns:
         ``SegmentResult(out [B, Hq, S, D] float32, lse [B, Hq, S] float32)``.
@@ -151,8 +164,10 @@ def attend_own_keys(query: Tensor, key: Tensor, value: Tensor, scale: float) -> 
         )
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    if query.device.type != "cpu":
-        return attend_segment(query, key, value, scale, query_positions=0, key_start=0)
+    if query.device.type != "cpu" or softcap is not None:
+        return attend_segment(
+            query, key, value, scale, query_positions=0, key_start=0, softcap=softcap
+        )
     groups = hq // hkv
     k = key.to(torch.float32)
     v = value.to(torch.float32)
@@ -166,17 +181,25 @@ def attend_own_keys(query: Tensor, key: Tensor, value: Tensor, scale: float) -> 
 
 
 def attend_flat(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, seen: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    seen: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention with log-sum-exp, float32: ``q [N, H, M, D]``, ``k, v [N, H, K, D]``,
     optional additive ``mask [N, H, M, K]`` (may broadcast) → ``(out [N, H, M, D],
     lse [N, H, M])``. ``seen [N, H, M]`` says which rows have a visible key (computed from the
-    mask when not given).
+    mask when not given). ``softcap = c``: the scaled scores become ``c · tanh(s / c)``
+    before the mask (transformers' order); None: no cap.
 
-    On the CPU this is torch's fused flash kernel (it returns the log-sum-exp); elsewhere a
-    plain matmul softmax. Rows that see no key come back as ``out = 0``, ``lse = -inf``.
+    On the CPU without a cap this is torch's fused flash kernel (it returns the log-sum-exp);
+    elsewhere, and with a cap, a plain matmul softmax. Rows that see no key come back as
+    ``out = 0``, ``lse = -inf``.
     """
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and softcap is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scale
         )
@@ -188,6 +211,8 @@ def attend_flat(
             out = out * seen.unsqueeze(-1)
         return out, lse
     scores = torch.matmul(q * scale, k.transpose(-1, -2))  # [N, H, M, K]
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)  # c · tanh(s / c), in place
     if mask is not None:
         scores = scores + mask
     row_max = scores.amax(dim=-1, keepdim=True)  # -inf if fully masked

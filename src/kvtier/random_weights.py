@@ -28,7 +28,8 @@ ARCHS: dict[str, dict[str, Any]] = {
     "smollm3": {},
     "helium": {},
     "gpt_neox": {},
-    "gemma2": {},
+    # Gemma 2 as published: scores soft-capped at 50, logits at 30.
+    "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "gemma3_text": {},
 }
 # Configs that derive the head size from hidden_size / heads (no head_dim field), or have
@@ -119,6 +120,7 @@ def random_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
+    attention_gain: float = 1.0,
     **overrides: Any,
 ) -> Any:
     """A seeded random-weight causal LM, in eval mode with gradients off.
@@ -134,6 +136,10 @@ def random_model(
         device: where to allocate the weights (default: CPU).
         attn_implementation: transformers attention implementation name ("sdpa" falls
             back to "eager" for architectures without an SDPA attention).
+        attention_gain: factor on every query and key projection weight (and bias), so
+            the attention scores grow by its square: random weights give scores near 0,
+            where a soft-cap changes nothing; a gain of ~30 brings them to the range of
+            Gemma 2's cap of 50.
     """
     from transformers import AutoModelForCausalLM
 
@@ -147,4 +153,13 @@ def random_model(
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_implementation
         )
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if attention_gain != 1.0:
+        for module in model.modules():
+            for name in ("q_proj", "k_proj"):
+                projection = getattr(module, name, None)
+                if isinstance(projection, torch.nn.Linear):
+                    projection.weight.mul_(attention_gain)
+                    if projection.bias is not None:
+                        projection.bias.mul_(attention_gain)
+    return model

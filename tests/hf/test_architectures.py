@@ -3,7 +3,9 @@ at all (refused when the cache is built, with one line naming the model type and
 
 Sliding-window and hybrid models (layers that alternate sliding and full attention) run
 with prompts of at least four windows, so a layer that attended past its window would
-change the tokens."""
+change the tokens. Gemma 2 runs with its attention scores soft-capped (the published cap of
+50, and a cap of 5), its query and key projections scaled up (``attention_gain``) so that
+the scores reach the cap: a missing cap would change the tokens (checked)."""
 
 from __future__ import annotations
 
@@ -63,17 +65,23 @@ EXACT: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": None,
         "num_hidden_layers": 4,
     },
+    "gemma2 (hybrid, soft-capped at 50)": {
+        "sliding_window": 32,
+        "num_hidden_layers": 4,
+        "attention_gain": 30,
+    },
+    "gemma2 (hybrid, soft-capped at 5)": {
+        "sliding_window": 32,
+        "num_hidden_layers": 4,
+        "attention_gain": 30,
+        "attn_logit_softcapping": 5.0,
+    },
 }
 HYBRID = "gemma3_text (hybrid)"
+CAPPED = [name for name in EXACT if "soft-capped" in name]
 
 # (model type, config fields, attention implementation, the message's start)
 REFUSED: dict[str, tuple[str, dict[str, Any], str, str]] = {
-    "gemma2 (soft-capping)": (
-        "gemma2",
-        {"sliding_window": 4096},
-        "eager",
-        "kvtier cannot run gemma2 exactly: its attention soft-caps the logits",
-    ),
     "gpt_oss (sinks)": (
         "gpt_oss",
         {"sliding_window": 32},
@@ -102,6 +110,33 @@ def test_prompts_are_at_least_four_windows() -> None:
 
 def arch_of(name: str) -> str:
     return name.split()[0]
+
+
+@pytest.mark.parametrize("name", CAPPED)
+def test_the_soft_caps_change_the_tokens(name: str) -> None:
+    """The capped models' greedy tokens differ without the cap: the cap is tested."""
+    ids = prompt()
+    tokens = []
+    for cap in ({}, {"attn_logit_softcapping": None}):
+        model = random_model(arch_of(name), seed=2, **{**EXACT[name], **cap})
+        assert model.config.final_logit_softcapping == 30.0  # the published logit cap
+        with torch.no_grad():
+            tokens.append(model.generate(ids, cache=DynamicCache(config=model.config), **GREEDY))
+    assert not torch.equal(tokens[0], tokens[1])
+
+
+@pytest.mark.parametrize("name", CAPPED)
+def test_an_attached_capped_model_runs_dynamic_cache_with_the_cap(name: str) -> None:
+    """Once kvtier's attention is attached, plain tensors (``DynamicCache``) take its
+    fallback, which caps too (SDPA cannot): the tokens stay eager attention's."""
+    model = random_model(arch_of(name), seed=2, **EXACT[name])
+    ids = prompt()
+    with torch.no_grad():
+        expected = model.generate(ids, cache=DynamicCache(config=model.config), **GREEDY)
+        TieredCache(model, chunk_tokens=CHUNK)  # attaches kvtier's attention
+        got = model.generate(ids, cache=DynamicCache(config=model.config), **GREEDY)
+    assert model.config._attn_implementation == "kvtier"
+    assert torch.equal(got, expected)
 
 
 def prompt() -> torch.Tensor:
@@ -178,6 +213,7 @@ def make_manager(model: Any, disk: Any) -> KVManager:
         "qwen2 (sliding layers)",
         "mistral (sliding window 32)",
         "gemma2 (hybrid, no soft-capping)",
+        "gemma2 (hybrid, soft-capped at 5)",
         HYBRID,
     ],
 )
@@ -205,9 +241,10 @@ def test_next_turn_reuse_gives_the_same_tokens(name: str, tier: str, tmp_path: A
     manager.close()
 
 
+@pytest.mark.parametrize("name", [HYBRID, "gemma2 (hybrid, soft-capped at 5)"])
 @pytest.mark.parametrize("on_host", [False, True], ids=["streamed", "on-host"])
-def test_a_padded_batch_of_a_hybrid_model_equals_dynamic_cache(on_host: bool) -> None:
-    model = random_model("gemma3_text", seed=2, **EXACT[HYBRID])
+def test_a_padded_batch_of_a_hybrid_model_equals_dynamic_cache(on_host: bool, name: str) -> None:
+    model = random_model(arch_of(name), seed=2, **EXACT[name])
     ids = prompt().repeat(2, 1)
     mask = torch.ones_like(ids)
     ids[1, :40], mask[1, :40] = 0, 0  # the second row is left-padded

@@ -1,5 +1,10 @@
-"""A hybrid model (random-weight Gemma 3: sliding-window layers alternating with full ones)
-served by the engine and over HTTP, with greedy tokens equal to transformers'."""
+"""Hybrid models (sliding-window layers alternating with full ones) served by the engine and
+over HTTP, with greedy tokens equal to transformers' eager attention with its own cache.
+
+Two random-weight models: Gemma 3, and Gemma 2 with its attention scores soft-capped at 5
+(query and key projections scaled up so the scores reach the cap; its logits capped at the
+published 30). The reference tokens come from a second copy of the weights that kvtier's
+attention is never attached to."""
 
 from __future__ import annotations
 
@@ -16,22 +21,55 @@ from kvtier.server.config import ServerConfig
 from tests.engine.tiny import engine_config, reference_tokens, save_folder
 from tests.server.live import ServerThread
 
-NAME = "tiny-gemma3"
+NAME = "tiny-hybrid"
 WINDOW = 24
 PROMPTS = [list(range(300 + 11 * i, 300 + 11 * i + 5 * WINDOW + 17 * i)) for i in range(4)]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def hybrid(tokenizer: Any) -> Any:
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    # layers 0 and 2 slide, 1 and 3 see everything
+    "gemma3": ("gemma3_text", {"sliding_window_pattern": 2}),
+    "gemma2-soft-capped": ("gemma2", {"attention_gain": 30, "attn_logit_softcapping": 5.0}),
+}
+
+
+def _build(name: str, tokenizer: Any) -> Any:
+    arch, fields = MODELS[name]
     return random_model(
-        "gemma3_text",
+        arch,
         seed=2,
         vocab_size=len(tokenizer),
         sliding_window=WINDOW,
         num_hidden_layers=4,
-        sliding_window_pattern=2,  # layers 0 and 2 slide, 1 and 3 see everything
+        **fields,
     )
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def hybrid(model_name: str, tokenizer: Any) -> Any:
+    return _build(model_name, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(model_name: str, tokenizer: Any) -> Any:
+    """The same weights, never attached to kvtier: transformers' own attention."""
+    return _build(model_name, tokenizer)
+
+
+def test_the_soft_cap_changes_the_reference_tokens(tokenizer: Any) -> None:
+    capped = _build("gemma2-soft-capped", tokenizer)
+    uncapped = _build("gemma2-soft-capped", tokenizer)
+    for module in uncapped.modules():  # the same weights, the cap off
+        if hasattr(module, "attn_logit_softcapping"):
+            module.attn_logit_softcapping = None
+    prompt = PROMPTS[0]
+    assert reference_tokens(capped, prompt, 20) != reference_tokens(uncapped, prompt, 20)
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +78,17 @@ def engine(hybrid: Any, tokenizer: Any) -> Iterator[Engine]:
         yield engine
 
 
-def test_the_engine_batches_a_hybrid_model_exactly(hybrid: Any, engine: Engine) -> None:
+def test_the_engine_batches_a_hybrid_model_exactly(reference: Any, engine: Engine) -> None:
     assert engine.caches[0].windows == [WINDOW, None, WINDOW, None]
     handles = [engine.submit(p, GREEDY) for p in PROMPTS]  # packed together
     outs = [h.result() for h in handles]
     for out, prompt in zip(outs, PROMPTS, strict=True):
-        assert out.token_ids == reference_tokens(hybrid, prompt, GREEDY.max_tokens)
+        assert out.token_ids == reference_tokens(reference, prompt, GREEDY.max_tokens)
     turn2 = PROMPTS[1] + outs[1].token_ids + [7, 8, 9]
     again = engine.submit(turn2, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     done = again.result()
     assert done.reused_tokens > 0
-    assert done.token_ids == reference_tokens(hybrid, turn2, 10)
+    assert done.token_ids == reference_tokens(reference, turn2, 10)
 
 
 def test_the_server_answers_with_the_engines_tokens(engine: Engine) -> None:
@@ -87,13 +125,13 @@ def test_the_server_answers_with_the_engines_tokens(engine: Engine) -> None:
 
 @pytest.mark.slow
 def test_kvtier_serve_serves_a_hybrid_model_folder(
-    hybrid: Any, tokenizer: Any, tmp_path: Any
+    hybrid: Any, reference: Any, tokenizer: Any, tmp_path: Any
 ) -> None:
     from openai import OpenAI
 
     from tests.server.test_serve_command import free_port, start, stop
 
-    folder = tmp_path / "gemma3"
+    folder = tmp_path / hybrid.config.model_type
     save_folder(folder, tokenizer, hybrid)
     port = free_port()
     process = start(folder, tmp_path / "kv", port, "--served-model-name", NAME)
@@ -116,5 +154,5 @@ def test_kvtier_serve_serves_a_hybrid_model_folder(
     with Engine.from_pretrained(str(folder), engine_config(max_batch_size=2)) as loaded:
         outs = [loaded.submit(p, GREEDY).result() for p in PROMPTS[:2]]
     for out, prompt, text in zip(outs, PROMPTS[:2], texts, strict=True):
-        assert out.token_ids == reference_tokens(hybrid, prompt, GREEDY.max_tokens)
+        assert out.token_ids == reference_tokens(reference, prompt, GREEDY.max_tokens)
         assert text == out.text

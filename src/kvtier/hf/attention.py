@@ -7,6 +7,14 @@ seals after it. The attention function hands a kvtier layer view (``LayerKV`` or
 ``PackedKV``) to ``kvtier.runtime``'s dispatch, which reads it and mutates nothing.
 Called with plain tensors (another cache, or none), it falls back to transformers' SDPA
 attention, so an attached model still works with ``DynamicCache``.
+
+Soft-capping: the cap a model's modelling hands its attention function (``softcap=``, which
+Gemma 2 sets to ``attn_logit_softcapping``) is applied to every score, before the mask and
+softmax, on every path (kvtier's segments, and the fallback, where SDPA has no cap: there
+kvtier's ``attend_segment`` runs over the plain tensors with transformers' boolean mask).
+The modelling's ``softcap`` argument, not the module's attribute, is what counts: Gemma 3
+modules hold ``attn_logit_softcapping`` but do not pass it, and eager attention does not
+apply it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from kvtier.attention import attend_segment
 from kvtier.hf.base import SelfManagedCache
 from kvtier.runtime import LayerKV, PackedKV, attend, attend_packed
 
@@ -39,6 +48,13 @@ class DeferredMask:
     def sdpa_mask(self) -> torch.Tensor | None:
         return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**self.mask_kwargs)
 
+    def bool_mask(self) -> torch.Tensor | None:
+        """The mask as booleans ``[B, 1, Sq, Sk]`` (True: attend), built even where SDPA
+        would rely on its causal flag instead (None where transformers builds none)."""
+        return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](
+            **{**self.mask_kwargs, "allow_is_causal_skip": False}
+        )
+
 
 def mask_hook(**kwargs: Any) -> DeferredMask:
     """Mask function registered for ``"kvtier"``: defer the mask to the layers."""
@@ -55,10 +71,18 @@ def tiered_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [B, Hq, Sq, D]`` → ``[B, Sq, Hq, D]``."""
+    """transformers attention function: ``query [B, Hq, Sq, D]`` → ``[B, Sq, Hq, D]``.
+
+    ``kwargs["softcap"]`` (Gemma 2's ``attn_logit_softcapping``) caps every score; the other
+    keyword arguments go to the SDPA fallback only.
+    """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    cap = kwargs.pop("softcap", None)
+    softcap = float(cap) if cap is not None else None
     if isinstance(key, PackedKV):
-        return attend_packed(key, query, scale), None
+        return attend_packed(key, query, scale, softcap=softcap), None
+    if not isinstance(key, LayerKV) and softcap is not None:
+        return _capped_fallback(query, key, value, attention_mask, scale, softcap), None
     if not isinstance(key, LayerKV):
         mask = (
             attention_mask.sdpa_mask()
@@ -68,7 +92,34 @@ def tiered_attention(
         return sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs
         )
-    return attend(key, query, scale).transpose(1, 2).contiguous(), None
+    return attend(key, query, scale, softcap).transpose(1, 2).contiguous(), None
+
+
+def _capped_fallback(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Soft-capped attention over plain tensors ``key, value [B, Hkv, Sk, D]`` (SDPA has no
+    cap): ``attend_segment`` with transformers' mask as booleans → ``[B, Sq, Hq, D]``."""
+    mask = attention_mask.bool_mask() if isinstance(attention_mask, DeferredMask) else None
+    if isinstance(attention_mask, torch.Tensor):
+        mask = attention_mask
+    if mask is None and query.shape[2] > 1:  # SDPA's rule: causal, the queries last
+        result = attend_segment(
+            query,
+            key,
+            value,
+            scale,
+            query_positions=key.shape[2] - query.shape[2],
+            softcap=softcap,
+        )
+    else:
+        result = attend_segment(query, key, value, scale, mask=mask, softcap=softcap)
+    return result.out.to(query.dtype).transpose(1, 2).contiguous()
 
 
 def _forward_arguments(

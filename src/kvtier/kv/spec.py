@@ -1,15 +1,17 @@
 """Per-layer KV specs of a model, and whether kvtier can run it exactly.
 
-kvtier attends every layer over the sequence's whole history, with plain scaled softmax
-attention through transformers' ``AttentionInterface``. A model whose layers attend
-otherwise would get silently different tokens, so it is refused when its cache is built,
-with one line naming the model type and the reason:
+kvtier attends every layer with scaled softmax attention through transformers'
+``AttentionInterface``: over the sequence's whole history, or over the last W tokens on
+sliding-window layers, with the scores soft-capped where the modelling asks for it
+(Gemma 2's ``attn_logit_softcapping``: ``c · tanh(s / c)`` per score, applied by
+``kvtier.attention``). A model whose layers attend otherwise would get silently different
+tokens, so it is refused when its cache is built, with one line naming the model type and
+the reason:
 
 | what the model has | why it is refused |
 | --- | --- |
-| sliding-window layers, window shorter than the context | they see the last W tokens only |
 | other kinds in ``layer_types`` (chunked, linear, …) | not implemented |
-| attention logit soft-capping, attention sinks | scores are not plain softmax |
+| learned attention sinks | a sink logit joins every softmax |
 | no ``AttentionInterface``, encoder-decoder | kvtier's attention is not called |
 | modules whose KV heads or head size disagree | the layout would be wrong |
 
@@ -143,8 +145,6 @@ def check_exact(model: Any, num_kv_heads: int, head_dim: int) -> list[LayerSpec]
         kinds = sorted({s.attention for s in other})
         raise refuse(f"{_layers([s.layer_idx for s in other])} with {', '.join(kinds)}")
     modules = _attention_modules(model)
-    if any(getattr(m, "attn_logit_softcapping", None) is not None for m in modules.values()):
-        raise refuse("its attention soft-caps the logits")
     if any(getattr(m, "sinks", None) is not None for m in modules.values()):
         raise refuse("its attention has learned sinks")
     for spec in specs:

@@ -2,11 +2,15 @@
 
 ``attend(view, query, scale)`` attends one batch's layer (``LayerKV``) and
 ``attend_packed(view, query, scale)`` several sequences packed in one row (``PackedKV``).
+Both take the layer's attention logit soft-cap (``softcap``, Gemma 2), applied to every
+score of every segment before its softmax; the merge stays exact.
 Each segment is attended with its log-sum-exp and the results are merged exactly
 (``kvtier.attention.merge``), so no pass concatenates the cache. Sliding-window layers mask
 every segment by its keys' absolute positions. A float32 CPU pass of one sequence whose
 whole KV is resident and unpadded takes one fused call instead (kvtier's CPU kernel
-``attend_prefill``: its earlier keys and its own keys, causally, no merge). The functions
+``attend_prefill``: its earlier keys and its own keys, causally, no merge). kvtier's CPU
+kernels have no soft-cap: a capped layer never takes them (``attend_prefill``,
+``attend_slots`` on the host) but torch's path with the cap, which is exact. The functions
 only read the views (and acquire/release the staging ring's pieces); they mutate no cache
 state.
 """
@@ -23,24 +27,32 @@ from kvtier.attention import SegmentResult, attend_flat, attend_own_keys, attend
 from kvtier.runtime.view import Hosted, LayerKV, PackedKV
 
 
-def attend(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """``query [B, Hq, Sq, D]`` over one layer's segments → ``[B, Hq, Sq, D]``."""
-    fused = _fused_inputs(view, query)
+def attend(
+    view: LayerKV, query: torch.Tensor, scale: float, softcap: float | None = None
+) -> torch.Tensor:
+    """``query [B, Hq, Sq, D]`` over one layer's segments → ``[B, Hq, Sq, D]``; ``softcap``:
+    the layer's attention logit soft-cap (None: none)."""
+    fused = _fused_inputs(view, query, softcap)
     if fused is not None:
         out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
         fused[0].attend_prefill(query[0], *fused[1:], out, scale)
         return out.transpose(0, 1)[None]
     if view.window is not None:
-        return _attend_windowed(view, query, scale, view.window)
-    return _attend_full(view, query, scale)
+        return _attend_windowed(view, query, scale, view.window, softcap)
+    return _attend_full(view, query, scale, softcap)
 
 
 def attend_packed(
-    view: PackedKV, query: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    view: PackedKV,
+    query: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``query [1, Hq, N, D]`` of packed spans → ``[1, N, Hq, D]``, each span over its own
     sequence's KV. ``out``: the step's output to write the spans' rows into (the other
-    rows are left as they are); None: a new one.
+    rows are left as they are); None: a new one. ``softcap``: the layer's attention logit
+    soft-cap (None: none).
 
     Decode spans (one query) of full-attention layers whose whole KV is resident and
     unpadded take a fast path: one attention call per segment and row, and one merge for
@@ -54,14 +66,14 @@ def attend_packed(
             decodes.append((start, row))
             continue
         span = query[:, :, start : start + length]
-        fused = _fused_inputs(row, span)
+        fused = _fused_inputs(row, span, softcap)
         if fused is not None:
             fused[0].attend_prefill(span[0], *fused[1:], out[0, start : start + length], scale)
             continue
-        result = attend(row, span, scale)
+        result = attend(row, span, scale, softcap)
         out[:, start : start + length] = result.transpose(1, 2)
     if decodes:
-        _attend_decodes(decodes, query, scale, out)
+        _attend_decodes(decodes, query, scale, out, softcap)
     return out
 
 
@@ -76,10 +88,13 @@ the earlier keys runs as MKL matmuls at 100-128 GFLOP/s, the kernel at 85-90 (a 
 pass over 2,048 earlier keys: 115 against 167 ms)."""
 
 
-def _fused_inputs(view: LayerKV, query: torch.Tensor) -> tuple[Any, ...] | None:
+def _fused_inputs(
+    view: LayerKV, query: torch.Tensor, softcap: float | None
+) -> tuple[Any, ...] | None:
     """``(ops, k_old, v_old, k_new, v_new)`` for kvtier's ``attend_prefill`` over
     ``query [1, Hq, S, D]`` where it applies: kvtier's CPU kernels, float32 on the CPU, a
-    full-attention layer whose whole KV is resident and unpadded, the pass's own keys last
+    full-attention layer without soft-cap whose whole KV is resident and unpadded, the
+    pass's own keys last
     in ``recent_key`` (with nothing before them there when chunks are resident too), within
     ``FUSED_MAX_TOKENS``. None: the segments path.
 
@@ -91,6 +106,7 @@ def _fused_inputs(view: LayerKV, query: torch.Tensor) -> tuple[Any, ...] | None:
     sq, dim = query.shape[2], query.shape[3]
     if (
         sq < 2
+        or softcap is not None
         or query.shape[0] != 1
         or view.window is not None
         or not view.all_resident
@@ -126,7 +142,11 @@ def _kv_tensors(view: LayerKV) -> tuple[torch.Tensor | None, ...]:
 
 
 def _attend_decodes(
-    decodes: list[tuple[int, LayerKV]], query: torch.Tensor, scale: float, out: torch.Tensor
+    decodes: list[tuple[int, LayerKV]],
+    query: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    softcap: float | None,
 ) -> None:
     """One query per row over its resident chunks and its tail; writes ``out[0, start]``.
 
@@ -145,18 +165,16 @@ def _attend_decodes(
     tails_alone: list[SegmentResult] = []
     for start, row in decodes:
         q = folded[None, :, :, start]  # [1, Hkv, G, D]
-        tail = SegmentResult(
-            *attend_flat(
-                q, row.recent_key.to(torch.float32), row.recent_value.to(torch.float32), None, scale
-            )
-        )
+        recent_key = row.recent_key.to(torch.float32)
+        recent_value = row.recent_value.to(torch.float32)
+        tail = SegmentResult(*attend_flat(q, recent_key, recent_value, None, scale, None, softcap))
         if row.resident_key is None or row.resident_value is None:
             tail_only.append(start)
             tails_alone.append(tail)
             continue
         keys = row.resident_key.reshape(1, hkv, -1, dim).to(torch.float32)
         values = row.resident_value.reshape(1, hkv, -1, dim).to(torch.float32)
-        resident.append(SegmentResult(*attend_flat(q, keys, values, None, scale)))
+        resident.append(SegmentResult(*attend_flat(q, keys, values, None, scale, None, softcap)))
         tails.append(tail)
         both.append(start)
     if both:
@@ -174,16 +192,20 @@ def _stack(results: list[SegmentResult]) -> SegmentResult:
     return SegmentResult(torch.cat([r.out for r in results]), torch.cat([r.lse for r in results]))
 
 
-def _attend_full(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_full(
+    view: LayerKV, query: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
     """Segments of one full-attention layer, merged; queries in blocks to bound the score
     matrix.
 
-    On the CPU the queries are one block: torch's fused flash kernel tiles them itself.
-    A pass that starts on a chunk boundary (no tail before it) and has no padding attends
-    its new tokens with the kernel's causal flag instead of a mask.
+    On the CPU the queries are one block: torch's fused flash kernel tiles them itself
+    (soft-capped scores take the matmul path, in blocks like elsewhere). A pass that starts
+    on a chunk boundary (no tail before it) and has no padding attends its new tokens with
+    the kernel's causal flag instead of a mask.
     """
     sq = query.shape[2]
-    block = sq if query.device.type == "cpu" else view.query_block_tokens
+    tiled = query.device.type == "cpu" and softcap is None
+    block = sq if tiled else view.query_block_tokens
     starts = list(range(0, sq, block))
     partial: list[list[SegmentResult]] = [[] for _ in starts]
     if view.resident_key is not None and view.resident_value is not None:
@@ -196,17 +218,20 @@ def _attend_full(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tens
             view.resident_value,
             view.resident_valid,
             scale,
+            softcap,
         )
     for index, _, valid in view.pieces:
         keys, values = view.staging.acquire(index)  # [H, n*T, D]
-        _attend_blocks(partial, query, starts, block, keys, values, valid, scale)
+        _attend_blocks(partial, query, starts, block, keys, values, valid, scale, softcap)
         view.staging.release(index)
     if view.hosted is not None:
         for i, start in enumerate(starts):
-            partial[i].append(_on_host(view.hosted, query[:, :, start : start + block], scale))
+            q = query[:, :, start : start + block]
+            partial[i].append(_on_host(view.hosted, q, scale, softcap))
     recent_len = view.recent_key.shape[2]
     if len(starts) == 1 and recent_len == sq and view.recent_valid is None and sq > 1:
-        partial[0].append(attend_own_keys(query, view.recent_key, view.recent_value, scale))
+        own = attend_own_keys(query, view.recent_key, view.recent_value, scale, softcap)
+        partial[0].append(own)
         starts = []
     for i, start in enumerate(starts):
         q = query[:, :, start : start + block]
@@ -219,6 +244,7 @@ def _attend_full(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tens
                 query_positions=view.query_start + start,
                 key_start=view.recent_start,
                 valid_mask=view.recent_valid,
+                softcap=softcap,
             )
         )
     outs = [merge(results).out for results in partial]
@@ -226,7 +252,9 @@ def _attend_full(view: LayerKV, query: torch.Tensor, scale: float) -> torch.Tens
     return out.to(query.dtype)
 
 
-def _attend_windowed(view: LayerKV, query: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+def _attend_windowed(
+    view: LayerKV, query: torch.Tensor, scale: float, window: int, softcap: float | None
+) -> torch.Tensor:
     """A sliding-window layer: each query sees the keys ``q - window < k <= q`` only.
 
     The same segments as a full layer, each attended with a mask of its keys' absolute
@@ -258,20 +286,20 @@ def _attend_windowed(view: LayerKV, query: torch.Tensor, scale: float, window: i
         and (max(chunks) + 1) * size > oldest
     ):
         mask = in_window(chunk_positions(chunks))
+        keys, values = view.resident_key, view.resident_value
         results.append(
-            _attend_sealed(
-                query, view.resident_key, view.resident_value, scale, view.resident_valid, mask
-            )
+            _attend_sealed(query, keys, values, scale, view.resident_valid, mask, softcap)
         )
     for index, piece, valid in view.pieces:
         keys, values = view.staging.acquire(index)  # [H, n*T, D]
         if (max(piece.chunk_idx) + 1) * size > oldest:
             mask = in_window(chunk_positions(piece.chunk_idx))
-            results.append(_attend_sealed(query, keys, values, scale, valid, mask))
+            results.append(_attend_sealed(query, keys, values, scale, valid, mask, softcap))
         view.staging.release(index)
     hosted = view.hosted
     if hosted is not None and (max(hosted.chunks) + 1) * size > oldest:
-        results.append(_on_host(hosted, query, scale, in_window(chunk_positions(hosted.chunks))))
+        mask = in_window(chunk_positions(hosted.chunks))
+        results.append(_on_host(hosted, query, scale, softcap, mask))
     recent_len = view.recent_key.shape[2]
     recent_pos = torch.arange(view.recent_start, view.recent_start + recent_len, device=device)
     results.append(
@@ -284,6 +312,7 @@ def _attend_windowed(view: LayerKV, query: torch.Tensor, scale: float, window: i
             key_start=view.recent_start,
             valid_mask=view.recent_valid,
             mask=in_window(recent_pos),
+            softcap=softcap,
         )
     )
     return merge(results).out.to(query.dtype)
@@ -298,6 +327,7 @@ def _attend_blocks(
     values: torch.Tensor,
     valid: torch.Tensor | None,
     scale: float,
+    softcap: float | None,
 ) -> None:
     """Attend every query block to sealed chunks ``[H, n*T, D]`` shared by the batch.
 
@@ -306,28 +336,37 @@ def _attend_blocks(
     """
     for i, start in enumerate(starts):
         q = query[:, :, start : start + block]
-        partial[i].append(_attend_sealed(q, keys, values, scale, valid))
+        partial[i].append(_attend_sealed(q, keys, values, scale, valid, None, softcap))
 
 
 def _on_host(
-    hosted: Hosted, query: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    hosted: Hosted,
+    query: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    mask: torch.Tensor | None = None,
 ) -> SegmentResult:
     """``query [B, Hq, Sq, D]`` over the chunks attended in the host pool, computed where
     they lie: the query goes to the host, the output and log-sum-exp come back. The wall
     seconds (transfers included) go to ``hosted.spent``."""
     start = time.perf_counter()
-    result = _host_attention(hosted, query, scale, mask)
+    result = _host_attention(hosted, query, scale, softcap, mask)
     if hosted.spent is not None:
         hosted.spent(time.perf_counter() - start)
     return result
 
 
 def _host_attention(
-    hosted: Hosted, query: torch.Tensor, scale: float, mask: torch.Tensor | None
+    hosted: Hosted,
+    query: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    mask: torch.Tensor | None,
 ) -> SegmentResult:
     """``_on_host``'s work. A few unmasked queries of one sequence on a float32 CPU pool
-    take kvtier's ``attend_slots`` kernel, which reads the pinned slots in place; the rest
-    gather the slots (a copy in host memory) and take ``attend_segment``."""
+    take kvtier's ``attend_slots`` kernel, which reads the pinned slots in place; the rest,
+    and soft-capped layers (the kernel has no cap), gather the slots (a copy in host
+    memory) and take ``attend_segment``."""
     pool = hosted.host.pool
     host = pool.device
     ops = native.ops() if host.type == "cpu" and pool.dtype == torch.float32 else None
@@ -335,6 +374,7 @@ def _host_attention(
     if (
         ops is not None
         and mask is None
+        and softcap is None
         and hosted.valid is None
         and query.shape[0] == 1
         and sq <= HOST_KERNEL_MAX_QUERIES
@@ -355,6 +395,7 @@ def _host_attention(
         scale,
         hosted.valid,
         None if mask is None else mask.to(host),
+        softcap,
     )
     return SegmentResult(result.out.to(query.device), result.lse.to(query.device))
 
@@ -370,10 +411,12 @@ def _attend_sealed(
     scale: float,
     valid: torch.Tensor | None,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> SegmentResult:
     """``query [B, Hq, Sq, D]`` over sealed chunks ``[H, n*T, D]`` shared by the batch
-    (broadcast, not copied); ``valid [B, n*T]`` masks padding and other rows' tokens."""
+    (broadcast, not copied); ``valid [B, n*T]`` masks padding and other rows' tokens;
+    ``softcap`` caps the scores (None: no cap)."""
     batch = query.shape[0]
     k = keys.unsqueeze(0).expand(batch, *keys.shape)
     v = values.unsqueeze(0).expand(batch, *values.shape)
-    return attend_segment(query, k, v, scale, valid_mask=valid, mask=mask)
+    return attend_segment(query, k, v, scale, valid_mask=valid, mask=mask, softcap=softcap)
