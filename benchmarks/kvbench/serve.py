@@ -37,7 +37,10 @@ one after another on the same window (``--repeats`` alternates them A B C A B C)
 - ``device_host_disk``: the device-sized host tier plus a ``--disk-mb`` disk tier in a
   temporary folder, which receives the chunks the host evicts (write-back).
 
-Summary: reused tokens and p50 TTFT of each configuration ÷ ``device_only``'s.
+Summary: reused tokens and p50 TTFT of each configuration ÷ ``device_only``'s. Every
+server's host and disk evict by ``--eviction-policy`` (LRU by default); ``kvtier bench
+eviction`` runs this with ``--configs device_only``, where the host tier is small enough to
+evict, once per policy it compares.
 
 Modules: the trace and the window are ``kvbench.trace``; the streaming client, the
 replay and ``/metrics`` are ``kvbench.serve_client``; this module is the flow: the three
@@ -71,6 +74,7 @@ from kvbench.trace import (
     sample_window,
     window_sharing,
 )
+from kvtier.policy import EVICTION_POLICIES
 
 CONFIGS = ("device_only", "device_host", "device_host_disk")
 
@@ -85,18 +89,21 @@ def server_configs(
     disk_mb: int,
     chunk_tokens: int,
     max_queued: int,
+    eviction_policy: str = "lru",
 ) -> dict[str, ServerConfig]:
-    """The three configurations; the device-only host tier is the whole device budget."""
+    """The three configurations; the device-only host tier is the whole device budget;
+    host and disk evict by ``eviction_policy``."""
     device_mb = device_budget_mb * max_batch_size
     if host_factor < 1:
         raise ValueError(f"--host-factor: must be >= 1, got {host_factor}")
     if disk_mb < 1:
         raise ValueError(f"--disk-mb: must be >= 1, got {disk_mb}")
-    common = dict(
+    common: dict[str, Any] = dict(
         device_budget_mb=device_budget_mb,
         max_batch_size=max_batch_size,
         chunk_tokens=chunk_tokens,
         max_queued=max_queued,
+        eviction_policy=eviction_policy,
     )
     return {
         "device_only": ServerConfig("device_only", host_mb=device_mb, **common),
@@ -219,6 +226,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--disk-mb", type=int, default=4096, help="device_host_disk's disk tier")
     add("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="which to run")
     add(
+        "--eviction-policy",
+        default="lru",
+        choices=sorted(EVICTION_POLICIES),
+        help="every server's host and disk eviction policy (kvtier serve --eviction-policy)",
+    )
+    add(
         "--repeats",
         type=int,
         default=1,
@@ -267,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         args.disk_mb,
         args.block_tokens,  # one trace block = one chunk
         max(64, 2 * args.requests),  # never 429: every request waits its turn
+        args.eviction_policy,
     )
     trace = load_trace(args.trace)
     window = build_window(

@@ -147,6 +147,7 @@ class ServerConfig:
     chunk_tokens: int
     max_queued: int
     disk_mb: int | None = None
+    eviction_policy: str = "lru"
 
     def flags(self, disk_dir: Path | None) -> list[str]:
         """The ``kvtier serve`` flags of this configuration (``disk_dir`` when it has disk)."""
@@ -156,6 +157,7 @@ class ServerConfig:
             *("--host-mb", str(self.host_mb)),
             *("--chunk-tokens", str(self.chunk_tokens)),
             *("--max-queued", str(self.max_queued)),
+            *("--eviction-policy", self.eviction_policy),
         ]
         if self.disk_mb is not None:
             if disk_dir is None:
