@@ -80,6 +80,7 @@ def engine(hybrid: Any, tokenizer: Any) -> Iterator[Engine]:
 
 def test_the_engine_batches_a_hybrid_model_exactly(reference: Any, engine: Engine) -> None:
     assert engine.caches[0].windows == [WINDOW, None, WINDOW, None]
+    assert engine.runner.name == "transformers"  # kvtier's own forward: Llama family only
     handles = [engine.submit(p, GREEDY) for p in PROMPTS]  # packed together
     outs = [h.result() for h in handles]
     for out, prompt in zip(outs, PROMPTS, strict=True):
