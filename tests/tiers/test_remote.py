@@ -192,8 +192,8 @@ def test_a_burst_that_overruns_host_still_reaches_the_store_past_the_disk(
 ) -> None:
     """Eight chunks stored at once into a host tier of two, with a disk between host and
     the store: six leave host (written back to disk; the queue holds them all) before the
-    store's writer reads them. It reads those from where they went (the write-back queue or the disk), so
-    every one reaches the store."""
+    store's writer reads them. It reads those from where they went (the write-back queue
+    or the disk), so every one reaches the store."""
     config = ManagerConfig(
         chunk_tokens=layout.chunk_tokens,
         host=HostConfig(capacity_bytes=2 * layout.chunk_nbytes),

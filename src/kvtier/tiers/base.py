@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 
@@ -26,6 +25,7 @@ from kvtier.kv.chunk import Chunk, ChunkRef
 from kvtier.kv.keys import ChunkKey
 from kvtier.kv.layout import KVLayout
 from kvtier.tiers.index import ChunkIndex
+from kvtier.tiers.slots import SlotStorage
 from kvtier.tiers.types import (
     ChunkLostError,
     ChunkReader,
@@ -40,14 +40,14 @@ __all__ = ["ChunkLostError", "EvictHook", "PutResult", "Tier", "TierFullError", 
 log = logging.getLogger(__name__)
 
 
-class Tier(ABC):
+class Tier(SlotStorage):
     """A store of sealed chunks in fixed-size slots with a byte budget.
 
-    Subclasses provide slot storage (``_write_slot``, ``_read_slot``, ``_free_slot``,
-    ``_alloc_slot``, ``_victim_data``) and may override the hooks ``_forget_slot`` and
-    ``_end_put``; durable tiers register what they find at start with ``_restore``. This
-    class provides the index, token-id checks, pins, eviction and stats, identically for
-    every tier.
+    Subclasses provide slot storage (``kvtier.tiers.slots.SlotStorage``: ``_write_slot``,
+    ``_read_slot``, ``_free_slot``, ``_alloc_slot``, ``_victim_data``) and may override
+    the hooks ``_forget_slot`` and ``_end_put``; durable tiers register what they find at
+    start with ``_restore``. This class provides the index, token-id checks, pins,
+    eviction and stats, identically for every tier.
 
     Args:
         name: short tier name for stats and reports ("device", "host", "disk").
@@ -87,48 +87,6 @@ class Tier(ABC):
         self._index = ChunkIndex(name, eviction_policy, self._stats)
         self._on_evict: EvictHook | None = None
         self._write_fault: OSError | None = None  # set: writes are disabled
-
-    # ---- slot storage, provided by subclasses -------------------------------------------
-
-    @abstractmethod
-    def _alloc_slot(self) -> int | None:
-        """A free slot index, or None when all are taken. Called under the lock."""
-
-    @abstractmethod
-    def _free_slot(self, slot: int) -> None:
-        """Return a slot to the free list. Called under the lock."""
-
-    @abstractmethod
-    def _write_slot(self, slot: int, chunk: Chunk) -> None:
-        """Copy ``chunk`` into a reserved slot. Called without the lock."""
-
-    @abstractmethod
-    def _read_slot(self, slot: int, ref: ChunkRef, out: torch.Tensor) -> bool:
-        """Copy a pinned slot into ``out``; False if the stored bytes are found corrupt.
-
-        Called without the lock.
-        """
-
-    @abstractmethod
-    def _victim_data(self, slot: int) -> torch.Tensor | None:
-        """The data of a slot about to be evicted, readable during the evict hook.
-
-        None if the stored bytes are found corrupt: the victim is then dropped without the
-        hook and counted in ``stats.corrupt_dropped``. Called under the lock, and only
-        when an evict hook is installed.
-        """
-
-    def _forget_slot(self, slot: int) -> None:
-        """Hook for durable tiers to mark a slot invalid before it is reused."""
-        return None
-
-    def _end_put(self) -> None:
-        """Hook run once at the end of every ``put`` call, also when it raises.
-
-        Called without the lock, in the thread that called ``put``; durable tiers flush the
-        writes of the call here. An exception raised here propagates out of ``put``.
-        """
-        return None
 
     def _restore(self, ref: ChunkRef, slot: int) -> None:
         """Register a chunk already stored in ``slot`` as held, newest in eviction order.

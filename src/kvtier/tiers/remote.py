@@ -57,7 +57,7 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.remote_client import Guard, Unavailable, connect, ping_every_node, store_errors
 from kvtier.tiers.remote_reads import ValueReader
-from kvtier.tiers.remote_writes import OwnedValues, WriteBehindQueue
+from kvtier.tiers.remote_writes import BehindSource, OwnedValues, WriteBehindQueue
 from kvtier.tiers.types import ChunkReader, PutResult
 
 log = logging.getLogger(__name__)
@@ -90,9 +90,7 @@ class RemoteTier(Tier):
         self._ttl_ms = None if config.ttl_s is None else max(1, int(config.ttl_s * 1000))
         self._guard = Guard(config.url, config.timeout_s, config.retry_after_s, self._count_error)
         self._call = self._guard.call
-        self._source: PoolTier | None = None  # where write-behind reads from (host)
-        self._fallback: ChunkReader | None = None  # where it reads a chunk that left host
-        self._scratch: torch.Tensor | None = None  # the writer thread's chunk buffer
+        self._behind = BehindSource(layout)  # where write-behind reads (host, then fallback)
         self._queue = WriteBehindQueue(self._write_batch, config.write_behind_chunks, _BATCH_CHUNKS)
         # The values this instance wrote, least recently used first: key -> value bytes
         # (under self._lock; the size cap deletes from the front).
@@ -226,8 +224,7 @@ class RemoteTier(Tier):
         ref is dropped and counted (``writes_dropped``)."""
         if not isinstance(source, PoolTier):
             raise ValueError(f"write_behind: the source must be a memory pool, not {source.name}")
-        self._source = source
-        self._fallback = fallback
+        self._behind.use(source, fallback)
         dropped = self._queue.offer(refs)
         if dropped:
             with self._lock:
@@ -250,11 +247,9 @@ class RemoteTier(Tier):
         return held
 
     def _write_batch(self, refs: list[ChunkRef]) -> None:
-        """The writer thread's step: encode ``refs`` from the source's slots while they are
-        pinned (the value is a copy: a slot reused after the unpin cannot change what is
-        sent), then write them. Chunks the store holds already are not sent again."""
-        source = self._source
-        if source is None:
+        """The writer thread's step: encode ``refs`` where they are (``BehindSource``), then
+        write them. Chunks the store holds already are not sent again."""
+        if self._behind.host is None:
             return
         held = self._duplicates(refs)
         if held is None:
@@ -262,15 +257,7 @@ class RemoteTier(Tier):
                 self._stats.writes_skipped += len(refs)
             return
         refs = [r for r, h in zip(refs, held, strict=True) if not h]
-        pinned = source.pin(refs)
-        try:
-            values = []
-            for ref, ok in zip(refs, pinned, strict=True):
-                data = source.view(ref) if ok else self._read_elsewhere(ref)
-                if data is not None:
-                    values.append((ref, self._value(ref, data)))
-        finally:
-            source.unpin([r for r, ok in zip(refs, pinned, strict=True) if ok])
+        values = self._behind.encode_each(refs, self._value)
         gone = len(refs) - len(values)
         if gone:
             with self._lock:
@@ -282,15 +269,6 @@ class RemoteTier(Tier):
         """``ref``'s value, encoded on the calling thread (the writer, or a link's worker)."""
         stored = data if self.codec.exact else self.codec.encode(data.detach(), self.layout)
         return remote_format.encode(self.layout, ref, _bytes_of(stored), self.codec)
-
-    def _read_elsewhere(self, ref: ChunkRef) -> torch.Tensor | None:
-        """``ref``'s bytes through the fallback reader (into a buffer of the writer
-        thread's), or None where there is none or it holds the chunk nowhere."""
-        if self._fallback is None:
-            return None
-        if self._scratch is None:
-            self._scratch = self.layout.empty_chunk()
-        return self._scratch if self._fallback(ref, self._scratch) else None
 
     def _write(self, values: list[tuple[ChunkRef, bytes]]) -> bool:
         """``SET`` each encoded value with the TTL, in one pipeline; False (counted as

@@ -1,5 +1,6 @@
 """What the shared tier's writes need (``kvtier.tiers.remote``): the write-behind queue,
-and this instance's share of the store that the size cap bounds.
+where its writer reads the chunks, and this instance's share of the store that the size
+cap bounds.
 
 ``WriteBehindQueue``: refs waiting to be written, drained in batches by one writer thread.
 ``offer`` never blocks: past ``limit`` refs waiting, the oldest is dropped (the caller
@@ -7,11 +8,16 @@ counts it). The writer thread starts with the first offer and calls ``write(batc
 up to ``batch_chunks`` refs at a time, oldest first; an exception there is logged and the
 writer goes on. ``sync`` waits for the queue to drain; ``close`` stops the writer.
 
+``BehindSource``: where the writer thread reads queued chunks: host (pinned while read),
+else, for a chunk that left host first, a fallback reader (the manager's write-back
+queues and the tiers between host and the store).
+
 ``OwnedValues``: the values this instance wrote, least recently used first, and their
 bytes; past the cap, the oldest are the victims.
 
 Thread-safety: ``WriteBehindQueue`` is thread-safe (one condition guards the queue);
-``OwnedValues`` is not (the tier calls it under its lock).
+``BehindSource.encode_each`` runs on the writer thread only (its buffer is that thread's);
+``OwnedValues`` is not thread-safe (the tier calls it under its lock).
 """
 
 from __future__ import annotations
@@ -19,9 +25,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
 
 from kvtier.kv.chunk import ChunkRef
+from kvtier.kv.layout import KVLayout
+from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.types import ChunkReader
 
 log = logging.getLogger("kvtier.tiers.remote")
 
@@ -100,6 +111,51 @@ class WriteBehindQueue:
                 with self._cond:
                     self._writing = 0
                     self._cond.notify_all()
+
+
+class BehindSource:
+    """Where write-behind reads: ``host`` and ``fallback``, set by ``use`` (see the module
+    docstring).
+
+    Args:
+        layout: the chunk layout (sizes the fallback's buffer).
+    """
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.host: PoolTier | None = None
+        self.fallback: ChunkReader | None = None
+        self._buffer: torch.Tensor | None = None
+
+    def use(self, host: PoolTier, fallback: ChunkReader | None) -> None:
+        self.host, self.fallback = host, fallback
+
+    def encode_each(
+        self, refs: Sequence[ChunkRef], encode: Callable[[ChunkRef, torch.Tensor], bytes]
+    ) -> list[tuple[ChunkRef, bytes]]:
+        """``(ref, encode(ref, data))`` for every ref found, in order; the data is read while
+        pinned in host, or through the fallback into this object's buffer (the values are
+        copies: a slot reused later cannot change them). Writer thread only."""
+        host = self.host
+        if host is None:
+            return []
+        pinned = host.pin(refs)
+        try:
+            values = []
+            for ref, ok in zip(refs, pinned, strict=True):
+                data = host.view(ref) if ok else self._read_elsewhere(ref)
+                if data is not None:
+                    values.append((ref, encode(ref, data)))
+        finally:
+            host.unpin([r for r, ok in zip(refs, pinned, strict=True) if ok])
+        return values
+
+    def _read_elsewhere(self, ref: ChunkRef) -> torch.Tensor | None:
+        if self.fallback is None:
+            return None
+        if self._buffer is None:
+            self._buffer = self.layout.empty_chunk()
+        return self._buffer if self.fallback(ref, self._buffer) else None
 
 
 class OwnedValues:
