@@ -31,6 +31,7 @@ class ARCPolicy(EvictionPolicy):
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
         self._offered: dict[Hashable, bool] = {}  # offered by victims: True if from t1
+        self._aside: dict[Hashable, bool] = {}  # set aside: True if it left t1
         self.p = 0.0  # target length of t1, in keys
         self._capacity_chunks = 0
 
@@ -66,15 +67,24 @@ class ARCPolicy(EvictionPolicy):
         if from_t1 is None:
             self._t1.pop(key, None)
             self._t2.pop(key, None)
+            self._aside.pop(key, None)
             return
         (self._b1 if from_t1 else self._b2)[key] = None
         self._trim_ghosts()
 
+    def set_aside(self, key: Hashable) -> None:
+        from_t1 = self._offered.pop(key, None)
+        if from_t1 is None:
+            from_t1 = self._t1.pop(key, False) is None
+            self._t2.pop(key, None)
+        self._aside[key] = from_t1
+
     def readmit(self, key: Hashable) -> None:
+        queue = self._t2 if self._aside.pop(key, True) is False else self._t1
         self._b1.pop(key, None)
         self._b2.pop(key, None)
-        self._t1[key] = None
-        self._t1.move_to_end(key, last=False)
+        queue[key] = None
+        queue.move_to_end(key, last=False)
 
     def victims(self, count: int, is_pinned: IsPinned) -> list[Hashable]:
         chosen = [k for k in self._offered if not is_pinned(k)][:count]

@@ -31,8 +31,10 @@ class EvictionPolicy(ABC):
       caller ``remove``s those it evicts) but may reorder its queues while it looks.
     - ``remove`` forgets a tracked key. Policies with history (ghost lists) remember a key
       removed after ``victims`` offered it; a key removed otherwise leaves no trace.
-    - ``readmit`` tracks a key again as (one of) the next victims: for a key that was set
-      aside (``kvtier.policy.prefix``) and whose eviction is now due.
+    - ``set_aside`` stops offering a tracked key (nor counting it in ``len``), keeping
+      where it stood; ``readmit`` brings it back there as (one of) the next victims, and
+      ``remove`` forgets it for good. ``kvtier.policy.prefix`` sets aside a parent the
+      base offered too early and readmits it once its last child has left.
     """
 
     @abstractmethod
@@ -43,6 +45,9 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def remove(self, key: Hashable) -> None: ...
+
+    def set_aside(self, key: Hashable) -> None:
+        self.remove(key)
 
     @abstractmethod
     def readmit(self, key: Hashable) -> None: ...

@@ -7,8 +7,11 @@ that have no held child (the leaves):
 
     state        in the base policy  how it gets there
     leaf         yes                 insert; its last held child leaves
-    set aside    no                  the base offered it as a victim while it had a child
-    (back)       yes, next victim    its last held child leaves: ``base.readmit``
+    set aside    kept apart          the base reached it as a victim while it had a child
+                                     (``base.set_aside``: it remembers where it stood)
+    (back)       yes, next victim    its last held child leaves, or it is used:
+                                     ``base.readmit`` (S3-FIFO and ARC put it back in the
+                                     queue it left, so its eviction still feeds the ghosts)
 
 So a sequence is evicted from its tail up, once the base policy's order reaches its
 first chunk, and a parent set aside goes right after its last child. Only if every leaf is
@@ -53,16 +56,14 @@ class PrefixAwarePolicy(EvictionPolicy):
         self.base.insert(key, parent)
 
     def touch(self, key: Hashable) -> None:
-        if key in self._aside:  # used again: back into the order as a fresh use
+        if key in self._aside:  # used again: back into the order, then the use
             del self._aside[key]
-            self.base.insert(key, self._parent.get(key))
+            self.base.readmit(key)
         self.base.touch(key)
 
     def remove(self, key: Hashable) -> None:
-        if key in self._aside:
-            del self._aside[key]
-        else:
-            self.base.remove(key)
+        self._aside.pop(key, None)
+        self.base.remove(key)
         parent = self._parent.pop(key, None)
         if parent is None:
             return
@@ -74,6 +75,9 @@ class PrefixAwarePolicy(EvictionPolicy):
         if parent in self._aside:  # its eviction was due: it goes next
             del self._aside[parent]
             self.base.readmit(parent)
+
+    def set_aside(self, key: Hashable) -> None:
+        self.base.set_aside(key)
 
     def readmit(self, key: Hashable) -> None:
         self.base.readmit(key)
@@ -89,7 +93,7 @@ class PrefixAwarePolicy(EvictionPolicy):
 
         chosen = self.base.victims(count, held_back)
         for key in parents:
-            self.base.remove(key)  # never offered: the base keeps no history of it
+            self.base.set_aside(key)
             self._aside[key] = None
         if chosen:  # a parent becomes a victim once its children were removed
             return chosen

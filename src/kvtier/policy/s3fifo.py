@@ -34,6 +34,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
         self._freq: dict[Hashable, int] = {}
         self._offered: dict[Hashable, bool] = {}  # offered by victims: True if from small
+        self._aside: dict[Hashable, bool] = {}  # set aside: True if it left small
         self._capacity_chunks = 0  # most keys tracked at once
 
     def __len__(self) -> int:
@@ -58,17 +59,26 @@ class S3FIFOPolicy(EvictionPolicy):
         if from_small is None:
             self._small.pop(key, None)
             self._main.pop(key, None)
+            self._aside.pop(key, None)
         elif from_small:
             self._ghost[key] = None
             while len(self._ghost) > max(self._capacity_chunks, 1):
                 self._ghost.popitem(last=False)
         self._freq.pop(key, None)
 
+    def set_aside(self, key: Hashable) -> None:
+        from_small = self._offered.pop(key, None)
+        if from_small is None:
+            from_small = self._small.pop(key, False) is None
+            self._main.pop(key, None)
+        self._aside[key] = from_small
+
     def readmit(self, key: Hashable) -> None:
+        queue = self._small if self._aside.pop(key, False) else self._main
         self._ghost.pop(key, None)
-        self._main[key] = None
-        self._main.move_to_end(key, last=False)
-        self._freq[key] = 0
+        queue[key] = None
+        queue.move_to_end(key, last=False)
+        self._freq.setdefault(key, 0)
 
     def victims(self, count: int, is_pinned: IsPinned) -> list[Hashable]:
         chosen = [k for k in self._offered if not is_pinned(k)][:count]
