@@ -23,4 +23,5 @@ BENCHMARKS = (
     "faults",
     "vllm",
     "eviction",
+    "codec",
 )

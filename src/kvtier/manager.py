@@ -243,7 +243,8 @@ class KVManager:
             return
         then = self._then_copy_down(index + 1)
         moves = [Move(hop, r, hop.upper, hop.lower, as_use=False, then=then) for r in todo]
-        steps = [CopyStep(self.layout.chunk_nbytes, range(0), m, skip=m.landed) for m in moves]
+        nbytes = hop.lower.stored_chunk_nbytes  # what crosses the link: the codec's bytes
+        steps = [CopyStep(nbytes, range(0), m, skip=m.landed) for m in moves]
         handle = hop.link.submit(steps, 0) if block else hop.link.try_submit(steps, 0)
         if handle is None:  # the link is full: drop rather than stall the caller
             self._count_dropped(len(todo))

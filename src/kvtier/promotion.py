@@ -64,7 +64,7 @@ class Promotions:
             move = Move(
                 hop, ref, hop.lower, self.host, outcome=outcome, on_corrupt=self._on_corrupt
             )
-            step = CopyStep(hop.layout.chunk_nbytes, range(0), move, skip=move.landed)
+            step = CopyStep(hop.lower.stored_chunk_nbytes, range(0), move, skip=move.landed)
             by_hop.setdefault(level - 1, []).append(step)
             order.setdefault(level - 1, []).append(ref)
         for index, planned in order.items():

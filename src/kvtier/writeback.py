@@ -63,7 +63,7 @@ class WriteBackQueue:
     ) -> None:
         self.lower = lower
         self.link = link
-        self.chunk_nbytes = layout.chunk_nbytes
+        self.chunk_nbytes = lower.stored_chunk_nbytes  # what crosses the link (its codec's)
         self._track = track
         self._lock = threading.Lock()
         self._free = [layout.empty_chunk().zero_() for _ in range(num_buffers)]
