@@ -38,9 +38,8 @@ one after another on the same window (``--repeats`` alternates them A B C A B C)
   temporary folder, which receives the chunks the host evicts (write-back).
 
 Summary: reused tokens and p50 TTFT of each configuration ÷ ``device_only``'s. Every
-server's host and disk evict by ``--eviction-policy`` (LRU by default); ``kvtier bench
-eviction`` runs this with ``--configs device_only``, where the host tier is small enough to
-evict, once per policy it compares.
+server's host and disk evict by ``--eviction-policy`` (LRU by default); docs/benchmarks.md
+(eviction) compares policies with ``--configs device_only``, whose host tier evicts.
 
 Modules: the trace and the window are ``kvbench.trace``; the streaming client, the
 replay and ``/metrics`` are ``kvbench.serve_client``; this module is the flow: the three
