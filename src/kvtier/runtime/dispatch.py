@@ -17,14 +17,14 @@ state.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from kvtier import native
 from kvtier.attention import SegmentResult, attend_flat, attend_own_keys, attend_segment, merge
-from kvtier.runtime.view import Hosted, LayerKV, PackedKV
+from kvtier.runtime.host_attend import attend_sealed, on_host
+from kvtier.runtime.view import LayerKV, PackedKV
 
 
 def attend(
@@ -227,7 +227,7 @@ def _attend_full(
     if view.hosted is not None:
         for i, start in enumerate(starts):
             q = query[:, :, start : start + block]
-            partial[i].append(_on_host(view.hosted, q, scale, softcap))
+            partial[i].append(on_host(view.hosted, q, scale, softcap))
     recent_len = view.recent_key.shape[2]
     if len(starts) == 1 and recent_len == sq and view.recent_valid is None and sq > 1:
         own = attend_own_keys(query, view.recent_key, view.recent_value, scale, softcap)
@@ -288,18 +288,18 @@ def _attend_windowed(
         mask = in_window(chunk_positions(chunks))
         keys, values = view.resident_key, view.resident_value
         results.append(
-            _attend_sealed(query, keys, values, scale, view.resident_valid, mask, softcap)
+            attend_sealed(query, keys, values, scale, view.resident_valid, mask, softcap)
         )
     for index, piece, valid in view.pieces:
         keys, values = view.staging.acquire(index)  # [H, n*T, D]
         if (max(piece.chunk_idx) + 1) * size > oldest:
             mask = in_window(chunk_positions(piece.chunk_idx))
-            results.append(_attend_sealed(query, keys, values, scale, valid, mask, softcap))
+            results.append(attend_sealed(query, keys, values, scale, valid, mask, softcap))
         view.staging.release(index)
     hosted = view.hosted
     if hosted is not None and (max(hosted.chunks) + 1) * size > oldest:
         mask = in_window(chunk_positions(hosted.chunks))
-        results.append(_on_host(hosted, query, scale, softcap, mask))
+        results.append(on_host(hosted, query, scale, softcap, mask))
     recent_len = view.recent_key.shape[2]
     recent_pos = torch.arange(view.recent_start, view.recent_start + recent_len, device=device)
     results.append(
@@ -336,87 +336,4 @@ def _attend_blocks(
     """
     for i, start in enumerate(starts):
         q = query[:, :, start : start + block]
-        partial[i].append(_attend_sealed(q, keys, values, scale, valid, None, softcap))
-
-
-def _on_host(
-    hosted: Hosted,
-    query: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-    mask: torch.Tensor | None = None,
-) -> SegmentResult:
-    """``query [B, Hq, Sq, D]`` over the chunks attended in the host pool, computed where
-    they lie: the query goes to the host, the output and log-sum-exp come back. The wall
-    seconds (transfers included) go to ``hosted.spent``."""
-    start = time.perf_counter()
-    result = _host_attention(hosted, query, scale, softcap, mask)
-    if hosted.spent is not None:
-        hosted.spent(time.perf_counter() - start)
-    return result
-
-
-def _host_attention(
-    hosted: Hosted,
-    query: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-    mask: torch.Tensor | None,
-) -> SegmentResult:
-    """``_on_host``'s work. A few unmasked queries of one sequence on a float32 CPU pool
-    take kvtier's ``attend_slots`` kernel, which reads the pinned slots in place; the rest,
-    and soft-capped layers (the kernel has no cap), gather the slots (a copy in host
-    memory) and take ``attend_segment``."""
-    pool = hosted.host.pool
-    host = pool.device
-    ops = native.ops() if host.type == "cpu" and pool.dtype == torch.float32 else None
-    sq = query.shape[2]
-    if (
-        ops is not None
-        and mask is None
-        and softcap is None
-        and hosted.valid is None
-        and query.shape[0] == 1
-        and sq <= HOST_KERNEL_MAX_QUERIES
-        and not hosted.host.layer_major
-        and pool.is_contiguous()
-    ):
-        q = query[0].to(host, torch.float32)  # [Hq, Sq, D]
-        out = torch.empty(sq, q.shape[0], q.shape[2])
-        lse = torch.empty(sq, q.shape[0])
-        ops.attend_slots(pool, hosted.layer_idx, hosted.slot_index, q, out, lse, scale)
-        device = query.device
-        return SegmentResult(out.transpose(0, 1)[None].to(device), lse.t()[None].to(device))
-    keys, values = hosted.gathered()
-    result = _attend_sealed(
-        query.to(host),
-        keys,
-        values,
-        scale,
-        hosted.valid,
-        None if mask is None else mask.to(host),
-        softcap,
-    )
-    return SegmentResult(result.out.to(query.device), result.lse.to(query.device))
-
-
-HOST_KERNEL_MAX_QUERIES = 16
-"""Most queries ``attend_slots`` takes (it reads the chunks once per query)."""
-
-
-def _attend_sealed(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scale: float,
-    valid: torch.Tensor | None,
-    mask: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> SegmentResult:
-    """``query [B, Hq, Sq, D]`` over sealed chunks ``[H, n*T, D]`` shared by the batch
-    (broadcast, not copied); ``valid [B, n*T]`` masks padding and other rows' tokens;
-    ``softcap`` caps the scores (None: no cap)."""
-    batch = query.shape[0]
-    k = keys.unsqueeze(0).expand(batch, *keys.shape)
-    v = values.unsqueeze(0).expand(batch, *values.shape)
-    return attend_segment(query, k, v, scale, valid_mask=valid, mask=mask, softcap=softcap)
+        partial[i].append(attend_sealed(q, keys, values, scale, valid, None, softcap))
