@@ -208,6 +208,7 @@ def test_metrics_expose_tiers_links_queue_and_latency(server: ServerThread) -> N
         'kvtier_tier_hits_total{tier="host"}',
         'kvtier_tier_hits_total{tier="device"}',
         'kvtier_tier_eviction_policy{policy="lru",tier="host"} 1.0',
+        'kvtier_tier_codec{codec="raw",tier="host"} 1.0',
         "kvtier_tier_bytes_in_total",
         "kvtier_tier_bytes_out_total",
         "kvtier_tier_evictions_total",

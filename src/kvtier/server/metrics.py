@@ -74,6 +74,14 @@ class EngineCollector(Collector):
         for name, policy in (stats.manager.eviction_policies if stats.manager else {}).items():
             policies.add_metric([name, policy], 1)
         yield policies
+        codecs = GaugeMetricFamily(
+            "kvtier_tier_codec",
+            "1 for the chunk codec each tier stores in (raw is exact; kvtier serve --disk-codec)",
+            labels=["tier", "codec"],
+        )
+        for tier in self.engine.manager.tiers:
+            codecs.add_metric([tier.name, tier.codec.name], 1)
+        yield codecs
         yield from self._faults(stats)
         yield from self._occupancy(stats)
         yield from self._decisions(stats)
