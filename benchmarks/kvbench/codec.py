@@ -53,7 +53,7 @@ FAMILIES = ("qwen2", "mistral")
 PROMPT_TOKENS = 512
 # Random families: small enough to run 64 windows in seconds, with peaked attention (random
 # weights otherwise attend almost uniformly and hide what quantisation does to scores).
-FAMILY_SHAPE = dict(
+FAMILY_SHAPE: dict[str, Any] = dict(
     hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
     num_hidden_layers=4, intermediate_size=512, vocab_size=4096, max_position_embeddings=4096,
     attention_gain=8.0,
@@ -181,12 +181,12 @@ def _agreements(found: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = model_parser("codec", __doc__)
     parser.sized("--sequences", 64, 1, "windows of the embedded model", type=int, minimum=1)
-    parser.sized("--family-sequences", 64, 4, "windows per random family", type=int, minimum=1)
+    parser.sized("--family-sequences", 64, 2, "windows per random family", type=int, minimum=1)
     parser.sized("--continuation", 512, 256, "teacher-forced tokens per window", type=int,
                  minimum=256)  # fmt: skip
     parser.sized("--repeats", 3, 1, "timed rounds", type=int, minimum=1)
     parser.sized("--history", "4k", "1k", "disk reuse history (reuse's labels)")
-    parser.sized("--pass-key-context", 4096, 1024, "pass-key document tokens", type=int)
+    parser.sized("--pass-key-context", 4096, 768, "pass-key document tokens", type=int)
     parser.add_argument("--batch", type=int, default=8, minimum=1, help="windows per forward")
     parser.add_argument("--disk-gbps", type=float, default=1.0, help="the throttled disk link")
     parser.add_argument("--dir", type=Path, default=None, help="where the disk tiers write")

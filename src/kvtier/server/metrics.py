@@ -79,8 +79,8 @@ class EngineCollector(Collector):
             "1 for the chunk codec each tier stores in (raw is exact; kvtier serve --disk-codec)",
             labels=["tier", "codec"],
         )
-        for tier in self.engine.manager.tiers:
-            codecs.add_metric([tier.name, tier.codec.name], 1)
+        for store in self.engine.manager.tiers:
+            codecs.add_metric([store.name, store.codec.name], 1)
         yield codecs
         yield from self._faults(stats)
         yield from self._occupancy(stats)
