@@ -31,6 +31,10 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 CHUNK = 256
 PROMPT_TOKENS = 600  # two whole chunks and a partial one
+# A pipeline of 8 chunks (90 MB) to the cluster can take over the default 0.5 s on this
+# loaded machine; a call past the timeout marks the tier down and its writes are skipped
+# (cache semantics), which would make what the second instance finds depend on timing.
+WRITE_TIMEOUT_S = 10.0
 
 
 def prompts(seed: int, count: int = 3) -> list[list[int]]:
@@ -87,7 +91,8 @@ def first_instance(
     """The connector over host, disk and the cluster (write-through): P, Q, then P again
     after vLLM's own prefix cache is emptied."""
     config = {"host_mb": 64, "disk_dir": str(disk_dir), "remote": redis_cluster.url,
-              "remote_prefix": "vllm-test", "write_policy": "write_through"}  # fmt: skip
+              "remote_prefix": "vllm-test", "write_policy": "write_through",
+              "remote_timeout_s": WRITE_TIMEOUT_S}  # fmt: skip
     vllm = worker(vllm_setup, disk_dir.parent, config)
     try:
         first = {"P": vllm.generate(P, MAX_TOKENS), "Q": vllm.generate(Q, MAX_TOKENS)}
@@ -191,7 +196,7 @@ def test_vllm_serve_as_a_second_instance_shares_the_firsts_kv_per_salt_through_t
 
     venv, folder = vllm_setup
     extra = {"host_mb": 256, "remote": redis_cluster.url, "remote_prefix": "vllm-test",
-             "write_policy": "write_through"}  # fmt: skip
+             "write_policy": "write_through", "remote_timeout_s": WRITE_TIMEOUT_S}  # fmt: skip
     with contextlib.ExitStack() as stack:
         try:
             full = stack.enter_context(mounts.tmpfs(tmp_path / "full", 2 * 12 * 1024 + 64))
