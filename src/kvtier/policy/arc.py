@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvtier.policy.eviction import EvictionPolicy, IsPinned
+from kvtier.policy.eviction import EvictionPolicy, IsPinned, offered_then_next
 
 
 class ARCPolicy(EvictionPolicy):
@@ -87,13 +87,7 @@ class ARCPolicy(EvictionPolicy):
         queue.move_to_end(key, last=False)
 
     def victims(self, count: int, is_pinned: IsPinned) -> list[Hashable]:
-        chosen = [k for k in self._offered if not is_pinned(k)][:count]
-        while len(chosen) < count:
-            key = self._replace(is_pinned)
-            if key is None:
-                break
-            chosen.append(key)
-        return chosen
+        return offered_then_next(self._offered, count, is_pinned, self._replace)
 
     def _replace(self, is_pinned: IsPinned) -> Hashable | None:
         from_t1 = bool(self._t1) and (len(self._t1) > self.p or not self._t2)

@@ -11,10 +11,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 IsPinned = Callable[[Hashable], bool]
 """Whether a tracked key must not be offered as a victim now (pinned, or held back)."""
+
+
+def offered_then_next(
+    offered: Iterable[Hashable],
+    count: int,
+    is_pinned: IsPinned,
+    next_victim: Callable[[IsPinned], Hashable | None],
+) -> list[Hashable]:
+    """``victims`` of a policy that moves each key it offers out of its queues: the unpinned
+    keys already offered and not yet removed first, then ``next_victim`` until ``count``
+    or none is left (S3-FIFO, ARC)."""
+    chosen = [k for k in offered if not is_pinned(k)][:count]
+    while len(chosen) < count:
+        key = next_victim(is_pinned)
+        if key is None:
+            break
+        chosen.append(key)
+    return chosen
 
 
 class EvictionPolicy(ABC):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvtier.policy.eviction import EvictionPolicy, IsPinned
+from kvtier.policy.eviction import EvictionPolicy, IsPinned, offered_then_next
 
 SMALL_FRACTION = 0.1
 MAX_FREQ = 3
@@ -81,13 +81,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._freq.setdefault(key, 0)
 
     def victims(self, count: int, is_pinned: IsPinned) -> list[Hashable]:
-        chosen = [k for k in self._offered if not is_pinned(k)][:count]
-        while len(chosen) < count:
-            key = self._next_victim(is_pinned)
-            if key is None:
-                break
-            chosen.append(key)
-        return chosen
+        return offered_then_next(self._offered, count, is_pinned, self._next_victim)
 
     def _next_victim(self, is_pinned: IsPinned) -> Hashable | None:
         small_first = len(self._small) >= SMALL_FRACTION * self._capacity_chunks
