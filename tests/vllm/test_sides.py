@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.config import DiskConfig, HostConfig, ManagerConfig, RemoteConfig
+from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig, RemoteConfig
 from kvtier.kv import Chunk, KVLayout
 from kvtier.manager import KVManager
 from kvtier.vllm.lookup import LookupClient, LookupServer, socket_address
@@ -238,12 +238,16 @@ def test_one_steps_burst_of_saves_reaches_disk_whole_when_sized_for_it(
     """One forward completes 12 chunks and the host tier holds 2: each save evicts one.
     With the hop below host sized for the step (``for_bursts``, as the connector does),
     all 12 are on disk or host afterwards; with kvtier's default queue of 4, most are
-    dropped (and would be recomputed)."""
+    dropped (and would be recomputed). The disk's link takes 100 ms a write, so the burst
+    always outruns it (a fast tmpfs could otherwise drain a small burst as it comes)."""
     num_chunks = 12
+    slow_link = LinkConfig(gbps=100.0, latency_ms=100.0)
     config = ManagerConfig(
         chunk_tokens=LAYOUT.chunk_tokens,
         host=HostConfig(capacity_bytes=2 * LAYOUT.chunk_nbytes),
-        lower_tiers=(DiskConfig(path=str(tmp_path), capacity_bytes=64 * LAYOUT.chunk_nbytes),),
+        lower_tiers=(
+            DiskConfig(path=str(tmp_path), capacity_bytes=64 * LAYOUT.chunk_nbytes, link=slow_link),
+        ),
     )
     if sized:
         config = for_bursts(config, num_chunks * LAYOUT.chunk_tokens, LAYOUT.chunk_nbytes)
