@@ -217,6 +217,27 @@ def test_a_burst_that_overruns_host_still_reaches_the_store_past_the_disk(
         assert torch.equal(out, chunks[0].data)
 
 
+def test_chunks_of_a_real_model_reach_the_store_within_the_default_timeout(
+    redis_cluster: RedisCluster,
+) -> None:
+    """The embedded model's 256-token chunks are 11.3 MiB each. The writer sends at most
+    16 MiB a call, so eight of them at once are eight calls, each well within the default
+    0.5 s timeout (one call of all eight, 90 MiB, took over 0.5 s on a loaded machine: the
+    tier went down and its writes were skipped)."""
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's
+    chunks = make_chunks(layout, 8)
+    host = host_tier(layout, 8 * layout.chunk_nbytes, pin_memory=False)
+    host.put(chunks)
+    tier = RemoteTier(layout, RemoteConfig(url=redis_cluster.url, key_prefix=_prefix()))
+    tier.write_behind([c.ref for c in chunks], host)
+    tier.sync()
+    stats = tier.stats()
+    assert (stats.io_errors, stats.writes_skipped, stats.writes_dropped) == (0, 0, 0)
+    assert [tier.contains(c.ref) for c in chunks] == [True] * 8
+    tier.close()
+    host.close()
+
+
 def test_write_behind_sends_nothing_the_store_holds_and_renews_its_ttl(
     redis_cluster: RedisCluster, layout: KVLayout
 ) -> None:

@@ -62,7 +62,11 @@ from kvtier.tiers.types import ChunkReader, PutResult
 
 log = logging.getLogger(__name__)
 
-_BATCH_CHUNKS = 8  # SETs per pipeline of the writer
+# SETs per pipeline of the writer: at most 8, and at most 16 MiB of values (at least one
+# chunk), so one call's bytes stay within what ``timeout_s`` allows at a modest rate
+# (eight 12 MB chunks of the embedded model took over 0.5 s on a loaded machine).
+_BATCH_CHUNKS = 8
+_BATCH_BYTES = 16 << 20
 _READ_AHEAD = 2  # chunk reads running ahead of a promotion (remote_reads)
 
 
@@ -91,7 +95,8 @@ class RemoteTier(Tier):
         self._guard = Guard(config.url, config.timeout_s, config.retry_after_s, self._count_error)
         self._call = self._guard.call
         self._behind = BehindSource(layout)  # where write-behind reads (host, then fallback)
-        self._queue = WriteBehindQueue(self._write_batch, config.write_behind_chunks, _BATCH_CHUNKS)
+        batch_chunks = max(1, min(_BATCH_CHUNKS, _BATCH_BYTES // self.stored_chunk_nbytes))
+        self._queue = WriteBehindQueue(self._write_batch, config.write_behind_chunks, batch_chunks)
         # The values this instance wrote, least recently used first: key -> value bytes
         # (under self._lock; the size cap deletes from the front).
         self._owned = OwnedValues(config.capacity_bytes)
@@ -355,7 +360,7 @@ class RemoteTier(Tier):
         the client."""
         self.sync()
         self._reader.clear()
-        self._queue.close(join_timeout_s=self.config.timeout_s * (_BATCH_CHUNKS + 1))
+        self._queue.close(join_timeout_s=self.config.timeout_s * (self._queue.batch_chunks + 1))
         self._guard.close()
         if self._client is not None:
             with contextlib.suppress(*store_errors()):
