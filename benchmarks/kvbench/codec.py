@@ -9,16 +9,22 @@ token?
 Method (baseline: ``raw``, measured in the same run):
 
 - sizes and speeds: each codec encodes and decodes a real chunk of the model's KV (the first
-  chunk of a text window), GB/s of fp32 chunk bytes, median of ``--repeats``;
+  chunk of a text window), GB/s of fp32 chunk bytes, median of 3 ``--repeats`` (at least
+  9), with kvtier's native kernels (what the tiers run on the CPU) and with torch's ops
+  (``KVTIER_NATIVE=0``, the path before them);
 - quality (``kvbench.codec_quality``): ``--sequences`` windows of 512 prompt tokens and
   ``--continuation`` teacher-forced tokens, every sealed chunk round-tripped through the
   codec; greedy-token agreement and mean KL against raw, on the embedded model (text from
   the standard library's docstrings) and on two random-weight families (random ids); the
-  pass-key question of ``kvtier run`` answered from a round-tripped document;
+  pass-key question of ``kvtier run`` answered from ``--pass-key-documents`` round-tripped
+  documents of ``--pass-key-context`` tokens (2,048: the longest at which the embedded
+  model finds every key in raw; see ``codec_quality.pass_key_answers``);
 - disk reuse (``kvbench.reuse``'s turns): turn 1 writes the history's chunks to a disk tier
   in the codec; each turn 2 opens a new manager on the directory (host empty) and generates
   over history + follow-up; TTFT raw over int8, interleaved, on the real disk and behind a
-  ``--disk-gbps`` throttled link.
+  link throttled to ``--disk-gbps``. The real disk is the page cache here (the files were
+  just written), so a raw read is a memory copy; the throttled link models a drive instead:
+  2 GB/s by default, an NVMe SSD's sequential read (PCIe 3 x4 drives give 2-3.5 GB/s).
 
 The device tier and host stay fp32 here: ``link_bound_decode_speedup_int8`` (a compressed
 host streamed to the device) is reported as not measured.
@@ -26,10 +32,12 @@ host streamed to the device) is reported as not measured.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,7 @@ from kvbench import codec_quality as quality
 from kvbench.common import finish, header, interleave, median
 from kvbench.reuse import NEW_TOKENS, History, Turn, make_history, tiered_turn
 from kvbench.setup import BenchModel, load_bench, model_parser
+from kvtier import native
 from kvtier.codec import CODECS, Codec
 from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig
 from kvtier.kv.layout import KVLayout
@@ -60,25 +69,52 @@ FAMILY_SHAPE: dict[str, Any] = dict(
 )  # fmt: skip
 
 
-def speeds(layout: KVLayout, chunk: torch.Tensor, repeats: int) -> dict[str, dict[str, Any]]:
-    """Bytes per chunk and encode/decode GB/s (of fp32 chunk bytes) of every codec."""
-    out: dict[str, dict[str, Any]] = {}
+@contextmanager
+def torch_ops() -> Iterator[None]:
+    """The codecs take torch's path inside (``KVTIER_NATIVE=0``, read on every call)."""
+    before = os.environ.get(native.ENV_SWITCH)
+    os.environ[native.ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[native.ENV_SWITCH]
+        else:
+            os.environ[native.ENV_SWITCH] = before
+
+
+def gbps(codec: Codec, layout: KVLayout, chunk: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """(encode, decode) GB/s of fp32 chunk bytes, medians of ``repeats``."""
+    encoded = codec.encode(chunk, layout)
     decoded = torch.empty_like(chunk)
+    enc, dec = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        codec.encode_into(chunk, encoded)
+        enc.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        codec.decode_into(encoded, decoded)
+        dec.append(time.perf_counter() - start)
+    return layout.chunk_nbytes / median(enc) / 1e9, layout.chunk_nbytes / median(dec) / 1e9
+
+
+def speeds(layout: KVLayout, chunk: torch.Tensor, repeats: int) -> dict[str, dict[str, Any]]:
+    """Bytes per chunk and encode/decode GB/s (of fp32 chunk bytes) of every codec, as the
+    tiers run it (native kernels where built) and on torch's ops."""
+    out: dict[str, dict[str, Any]] = {}
     for name, codec in CODECS.items():
-        encoded = codec.encode(chunk, layout)
-        enc, dec = [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            codec.encode_into(chunk, encoded)
-            enc.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            codec.decode_into(encoded, decoded)
-            dec.append(time.perf_counter() - start)
+        decoded = torch.empty_like(chunk)
+        codec.decode_into(codec.encode(chunk, layout), decoded)
+        encode, decode = gbps(codec, layout, chunk, repeats)
+        with torch_ops():
+            encode_torch, decode_torch = gbps(codec, layout, chunk, repeats)
         out[name] = {
             "bytes_per_chunk": codec.encoded_nbytes(layout),
             "bytes_ratio": codec.ratio(layout),
-            "encode_gbps": layout.chunk_nbytes / median(enc) / 1e9,
-            "decode_gbps": layout.chunk_nbytes / median(dec) / 1e9,
+            "encode_gbps": encode,
+            "decode_gbps": decode,
+            "encode_gbps_torch": encode_torch,
+            "decode_gbps_torch": decode_torch,
             "max_abs_error": float((decoded - chunk).abs().max()),
         }
     return out
@@ -186,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                  minimum=256)  # fmt: skip
     parser.sized("--repeats", 3, 1, "timed rounds", type=int, minimum=1)
     parser.sized("--history", "4k", "1k", "disk reuse history (reuse's labels)")
-    parser.sized("--pass-key-context", 4096, 768, "pass-key document tokens", type=int)
+    parser.sized("--pass-key-context", 2048, 768, "pass-key document tokens", type=int)
+    parser.sized("--pass-key-documents", 4, 2, "pass-key documents (seeds 0..)", type=int,
+                 minimum=1)  # fmt: skip
     parser.add_argument("--batch", type=int, default=8, minimum=1, help="windows per forward")
-    parser.add_argument("--disk-gbps", type=float, default=1.0, help="the throttled disk link")
+    parser.add_argument("--disk-gbps", type=float, default=2.0,
+                        help="the throttled disk link (default: an NVMe SSD's read)")  # fmt: skip
     parser.add_argument("--dir", type=Path, default=None, help="where the disk tiers write")
     args = parser.parse(argv)
     if args.continuation % 256:
@@ -205,21 +244,24 @@ def main(argv: list[str] | None = None) -> int:
     windows = quality.text_windows(tokenizer, args.sequences, tokens)
     layout = bench.layout
     chunk = first_chunk(bench.model, layout, windows[:1])
-    sizes = speeds(layout, chunk, max(args.repeats, 3))
+    sizes = speeds(layout, chunk, max(3 * args.repeats, 9))  # ms each: medians of 9+
+    kernels = native.status().line()
+    print(f"  {kernels}")
     for name, s in sizes.items():
         print(f"  {name:<5}{s['bytes_per_chunk']:>10} B ({s['bytes_ratio']:.3f})  encode "
-              f"{s['encode_gbps']:.2f} GB/s  decode {s['decode_gbps']:.2f} GB/s")  # fmt: skip
+              f"{s['encode_gbps']:.2f} GB/s (torch {s['encode_gbps_torch']:.2f})  decode "
+              f"{s['decode_gbps']:.2f} GB/s (torch {s['decode_gbps_torch']:.2f})")  # fmt: skip
     start = time.perf_counter()
     embedded = quality_of(bench.model, layout, windows, args.batch)
     print(f"  embedded: {_agreements(embedded)} ({time.perf_counter() - start:.0f} s)")
     random_families = families(args, tokens)
-    pass_key = {
-        name: {"answer": answer, "found": found}
-        for name, answer, found in quality.pass_key_answers(
-            bench.model, tokenizer, layout, {n: CODECS[n] for n in LOSSY}, args.pass_key_context
-        )
-    }
-    print("  pass key: " + ", ".join(f"{n} {p['answer']!r}" for n, p in pass_key.items()))
+    found_keys = quality.pass_key_answers(
+        bench.model, tokenizer, layout, {n: CODECS[n] for n in LOSSY}, args.pass_key_context,
+        args.pass_key_documents,
+    )  # fmt: skip
+    pass_key = {n: {"answers": p.answers, "found": p.found} for n, p in found_keys.items()}
+    print(f"  pass key ({args.pass_key_documents} documents of {args.pass_key_context} tokens): "
+          + ", ".join(f"{n} {p.found} found" for n, p in found_keys.items()))  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-codec-", dir=args.dir))
     try:
         h = make_history(bench, args.history, args.seed)
@@ -242,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         "disk_reuse_ttft_speedup_int8": reuse["real"]["speedup_int8"],
         "disk_reuse_ttft_speedup_int8_throttled": reuse["throttled"]["speedup_int8"],
         "pass_key_found": {n: p["found"] for n, p in pass_key.items()},
+        "pass_key_documents": args.pass_key_documents,
+        "int8_decode_gbps": sizes["int8"]["decode_gbps"],
+        "int8_decode_gbps_torch": sizes["int8"]["decode_gbps_torch"],
     }
     for name in LOSSY:
         summary[f"{name}_mean_kl"] = embedded[name]["mean_kl"]
@@ -264,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             "families": {a: "tiny + " + str(FAMILY_SHAPE) for a in FAMILIES},
             "history": args.history,
             "repeats": args.repeats,
+            "pass_key_context": args.pass_key_context,
+            "pass_key_documents": args.pass_key_documents,
+            "disk_gbps_throttled": args.disk_gbps,
+            "kernels": kernels,
         },
     }
     s = summary
@@ -274,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         f"summary: int8 {s['int8_bytes_ratio']:.3f} of raw's bytes; greedy agreement int8 "
         f"{s['int8_token_agreement']:.4f}, fp8 {s['fp8_token_agreement']:.4f}, int4 "
         f"{s['int4_token_agreement']:.4f}; {args.history} disk reuse TTFT "
-        f"{s['disk_reuse_ttft_speedup_int8']:.2f}x (throttled "
-        f"{s['disk_reuse_ttft_speedup_int8_throttled']:.2f}x); link-bound decode not measured",
+        f"{s['disk_reuse_ttft_speedup_int8']:.2f}x (throttled to {args.disk_gbps} GB/s "
+        f"{s['disk_reuse_ttft_speedup_int8_throttled']:.2f}x); pass key "
+        f"{s['pass_key_found']} of {args.pass_key_documents}; link-bound decode not measured",
     )
     return 0
 

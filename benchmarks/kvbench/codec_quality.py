@@ -6,8 +6,9 @@ prompt's chunks after the prefill and each continuation chunk after its forward;
 continuation is teacher-forced (the same tokens for every codec), so every position's
 next-token distribution is compared with the raw run's at the same position: greedy-token
 agreement (argmax equal) and the mean KL(raw || codec). Worst case for a tiered cache: every
-chunk but the open tail came back through the codec. The pass-key check generates an answer
-greedily from a document whose chunks all went through the codec.
+chunk but the open tail came back through the codec. The pass-key check generates answers
+greedily from documents whose chunks all went through the codec (``pass_key_answers`` says
+at which length the embedded model finds the key at all).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,28 +160,65 @@ def random_windows(vocab_size: int, count: int, tokens: int, seed: int) -> torch
     return torch.randint(0, vocab_size, (count, tokens), generator=gen)
 
 
+PASS_KEY_QUESTION = "What is the pass key in the text above? Reply with the number only."
+PASS_KEY_NEW_TOKENS = 20  # "The pass key in the text is " and 5 digits, a token each, fit
+
+
+@dataclass(frozen=True)
+class PassKey:
+    """One codec's answers to the pass-key question, one per document.
+
+    Attributes:
+        answers: the generated text per document.
+        found: documents whose answer holds their key.
+    """
+
+    answers: list[str]
+    found: int
+
+
 @torch.inference_mode()
 def pass_key_answers(
-    model: Any, tokenizer: Any, layout: KVLayout, codecs: dict[str, Codec], context: int
-) -> Iterator[tuple[str, str, bool]]:
-    """``(codec, answer, found)`` for ``kvtier run``'s pass-key question (its document and
-    chat template), every whole chunk of the prompt but the last token's round-tripped."""
+    model: Any,
+    tokenizer: Any,
+    layout: KVLayout,
+    codecs: dict[str, Codec],
+    context: int,
+    documents: int,
+) -> dict[str, PassKey]:
+    """``PassKey`` of raw and each codec on ``kvtier run``'s pass-key documents (its
+    filler, the 5-digit key stated twice at 40 % depth, its question and chat template),
+    seeds ``0 .. documents - 1``; every whole chunk of a prompt but the last token's is
+    round-tripped through the codec, the same prompts for every codec, greedy answers.
+
+    What the embedded 135M model can do (raw, greedy): it answers "The pass key in the text
+    is NNNNN." for all of seeds 0-3 at 2,048 tokens, but at 4,096 for only 2 of them
+    (seeds 0 and 3: "123456"). Its answer takes 13 tokens (each digit is one), so fewer
+    than 13 new tokens cut the key short; that, and the 4,096-token document of seed 0,
+    made every codec "miss" before.
+    """
     from kvtier.models import chat_ids
     from kvtier.run import make_document
 
-    document, pass_key = make_document(tokenizer, context, 0)
-    question = "What is the pass key in the text above? Reply with the number only."
-    ids = chat_ids(tokenizer, [{"role": "user", "content": f"{document}\n\n{question}"}])
-    sealed = layout.prefix_limit(ids.shape[1])
-    prefilled = DynamicCache(config=model.config)
-    model(ids[:, :sealed], cache=prefilled, use_cache=True)
-    for name, codec in {"raw": None, **codecs}.items():
-        cache = copy.deepcopy(prefilled)
-        if codec is not None:
-            round_trip(cache, layout, codec, 0, sealed)
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
-            do_sample=False, pad_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
-        answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-        yield name, answer, pass_key in answer
+    found: dict[str, list[bool]] = {name: [] for name in ("raw", *codecs)}
+    answers: dict[str, list[str]] = {name: [] for name in found}
+    for seed in range(documents):
+        document, pass_key = make_document(tokenizer, context, seed)
+        content = f"{document}\n\n{PASS_KEY_QUESTION}"
+        ids = chat_ids(tokenizer, [{"role": "user", "content": content}])
+        sealed = layout.prefix_limit(ids.shape[1])
+        prefilled = DynamicCache(config=model.config)
+        model(ids[:, :sealed], cache=prefilled, use_cache=True)
+        for name, codec in {"raw": None, **codecs}.items():
+            cache = copy.deepcopy(prefilled)
+            if codec is not None:
+                round_trip(cache, layout, codec, 0, sealed)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), cache=cache,
+                max_new_tokens=PASS_KEY_NEW_TOKENS, do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )  # fmt: skip
+            answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+            answers[name].append(answer)
+            found[name].append(pass_key in answer)
+    return {name: PassKey(answers[name], sum(found[name])) for name in found}

@@ -7,16 +7,21 @@ quantise (``fp8``, ``int8``, ``int4``) and change tokens by a measured amount
 parameters (scales, offsets) first, then the quantised data, so every section starts at a
 byte offset its element type can be viewed at.
 
-Codecs are stateless, so one instance serves every thread at once.
+Codecs are stateless, so one instance serves every thread at once. On the CPU, with float32
+chunks whose last stride is 1, the lossy codecs run kvtier's native kernels
+(``kvtier.native``, ``codec_ops.cpp``: single-threaded, on the caller's thread, bit-identical
+to the torch path in both directions, so a chunk written by either reads the same in
+either); elsewhere (a GPU, half precision, ``KVTIER_NATIVE=0``, no compiler) torch's ops.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from kvtier import native
 from kvtier.kv.layout import KVLayout
 
 
@@ -81,6 +86,14 @@ def check_shapes(codec: Codec, chunk: torch.Tensor, encoded: torch.Tensor) -> No
         raise ValueError(
             f"{codec.name}: chunk on {chunk.device} but encoded buffer on {encoded.device}"
         )
+
+
+def native_ops(chunk: torch.Tensor) -> Any | None:
+    """``kvtier.native.ops()`` when its codec kernels take ``chunk`` (a float32 CPU chunk
+    whose last stride is 1), else None: the caller takes its torch path."""
+    if chunk.dtype != torch.float32 or not chunk.is_cpu or chunk.stride(-1) != 1:
+        return None
+    return native.ops()
 
 
 def sections(

@@ -5,13 +5,16 @@ block's largest magnitude mapped to e4m3's largest finite value, 448) suffices. 
 layout, flat ``uint8``::
 
     scale fp32 [L, 2, H, 1, 1] | codes float8_e4m3fn [L, 2, H, T, D]
+
+On float32 CPU chunks both directions run ``codec_ops.cpp``'s kernels (``fp8_encode``,
+``fp8_decode``: the same bytes and bits as the torch path below).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvtier.codec.base import Codec, check_shapes, sections
+from kvtier.codec.base import Codec, check_shapes, native_ops, sections
 from kvtier.kv.layout import KVLayout
 
 _E4M3_MAX = 448.0
@@ -38,6 +41,10 @@ class Fp8Codec(Codec):
     def encode_into(self, chunk: torch.Tensor, out: torch.Tensor) -> None:
         check_shapes(self, chunk, out)
         scale, codes = sections(out, self._parts(tuple(chunk.shape)))
+        ops = native_ops(chunk)
+        if ops is not None:
+            ops.fp8_encode(chunk, scale, codes)
+            return
         x = chunk.to(torch.float32)
         torch.amax(x.abs(), dim=(3, 4), keepdim=True, out=scale)
         scale.div_(_E4M3_MAX).clamp_(min=_MIN_SCALE)
@@ -46,4 +53,8 @@ class Fp8Codec(Codec):
     def decode_into(self, encoded: torch.Tensor, out: torch.Tensor) -> None:
         check_shapes(self, out, encoded)
         scale, codes = sections(encoded, self._parts(tuple(out.shape)))
+        ops = native_ops(out)
+        if ops is not None:
+            ops.fp8_decode(scale, codes, out)
+            return
         out.copy_(codes.to(torch.float32).mul_(scale))

@@ -13,13 +13,19 @@ Offsets stay fp32 (a channel with a large mean and a small spread keeps its prec
 steps are fp16, and the codes are computed with the rounded step, so rounding it costs
 nothing but a clamp at the top of the range. Ratio to fp32 for ``T`` tokens of head size
 ``D``: ``bits/32 + 0.75 (1/T + 1/D)`` (int8, T=256, D=64: 0.265).
+
+On float32 CPU chunks both directions run ``codec_ops.cpp``'s kernels (``kivi_encode``,
+``kivi_decode``), which do the torch path's float operations in its order, so the stored
+bytes and the decoded bits are the same either way (``tests/codec/test_native_codecs.py``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kvtier.codec.base import Codec, check_shapes, sections
+from kvtier.codec.base import Codec, check_shapes, native_ops, sections
 from kvtier.kv.layout import KVLayout
 
 _MIN_STEP = 1e-6  # a constant group still gets a finite, non-zero step in fp16
@@ -61,13 +67,23 @@ class KiviCodec(Codec):
             raise ValueError(f"{self.name}: a chunk is [L, 2, H, T, D], got {tuple(chunk.shape)}")
         return KVLayout(n_layers, heads, dim, chunk.dtype, tokens)
 
+    def _native(self, chunk: torch.Tensor) -> Any | None:
+        """The native kernels when they take ``chunk`` (int4 packs pairs along D: even D)."""
+        if self.bits == 4 and chunk.shape[-1] % 2:
+            return None
+        return native_ops(chunk)
+
     def encode_into(self, chunk: torch.Tensor, out: torch.Tensor) -> None:
         check_shapes(self, chunk, out)
         k_min, v_min, k_step, v_step, codes = sections(out, self._parts(self._layout_of(chunk)))
+        ops = self._native(chunk)
+        if ops is not None:
+            ops.kivi_encode(chunk, k_min, v_min, k_step, v_step, codes, self.bits)
+            return
         x = chunk.to(torch.float32)
         for x_part, lo, step, dim in ((x[:, 0], k_min, k_step, 2), (x[:, 1], v_min, v_step, 3)):
             torch.amin(x_part, dim=dim, keepdim=True, out=lo)
-            lo.clamp_(-_FP16_MAX, _FP16_MAX)
+            lo.clamp_(-_FP16_MAX, _FP16_MAX).add_(0.0)  # a zero min stored as +0, not -0
             spread = torch.amax(x_part, dim=dim, keepdim=True).sub_(lo)
             step.copy_(spread.div_(self.levels).clamp_(_MIN_STEP, _FP16_MAX))
         q = torch.empty(chunk.shape, dtype=torch.float32, device=chunk.device)
@@ -83,13 +99,17 @@ class KiviCodec(Codec):
     def decode_into(self, encoded: torch.Tensor, out: torch.Tensor) -> None:
         check_shapes(self, out, encoded)
         k_min, v_min, k_step, v_step, codes = sections(encoded, self._parts(self._layout_of(out)))
+        ops = self._native(out)
+        if ops is not None:
+            ops.kivi_decode(k_min, v_min, k_step, v_step, codes, self.bits, out)
+            return
         if self.bits == 8:
             q = codes.to(torch.float32)
         else:
             q = torch.stack((codes & 15, codes >> 4), dim=1).to(torch.float32)
-        q = q.view(out.shape)
-        torch.addcmul(k_min, q[:, 0], k_step.float(), out=q[:, 0])
-        torch.addcmul(v_min, q[:, 1], v_step.float(), out=q[:, 1])
+        q = q.view(out.shape)  # min + code * step: two roundings, as the native kernel's
+        q[:, 0].mul_(k_step.float()).add_(k_min)
+        q[:, 1].mul_(v_step.float()).add_(v_min)
         out.copy_(q)
 
 

@@ -1,9 +1,9 @@
-"""kvtier's hand-written CPU operators (``cpu_ops.cpp``, ``attend_prefill.cpp``; shared
-vector helpers in ``vec.h``), compiled once per machine.
+"""kvtier's hand-written CPU operators (``cpu_ops.cpp``, ``attend_prefill.cpp``,
+``codec_ops.cpp``; shared vector helpers in ``vec.h``), compiled once per machine.
 
 ``ops()`` gives ``torch.ops.kvtier_cpu`` (decode attention over the seat slab, a prefill
 pass's causal attention, RMSNorm with and without a residual add, RoPE in place, SiLU·mul,
-a few-row matmul), or None where they cannot be had: the
+a few-row matmul, the chunk codecs' encode and decode), or None where they cannot be had: the
 kernels are off (``KVTIER_NATIVE=0``), or the build failed (no C++ compiler or ``ninja``).
 Callers then take their torch path; the reason is logged once and kept in ``status()``.
 
@@ -37,7 +37,7 @@ from kvtier.models import cache_root
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_ops.cpp", _HERE / "attend_prefill.cpp")
+SOURCES = (_HERE / "cpu_ops.cpp", _HERE / "attend_prefill.cpp", _HERE / "codec_ops.cpp")
 HEADERS = (_HERE / "vec.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
