@@ -101,9 +101,14 @@ def test_s3fifo_evicts_one_hit_keys_before_reused_ones() -> None:
         policy.insert(key)
     for key in (0, 1, 2):
         policy.touch(key)
-    # The small queue's used keys move to main; the unused ones go, oldest first.
+        policy.touch(key)
+    policy.touch(3)
+    # The small queue's keys used twice move to main; the rest go, oldest first: a key
+    # used once in small is not promoted (the paper's freq > 1).
     assert evict(policy, 7) == [3, 4, 5, 6, 7, 8, 9]
     assert sorted(policy.victims(3, lambda k: False)) == [0, 1, 2]
+    policy.insert(3)  # evicted from small, so remembered: back into main
+    assert 3 in policy._main
 
 
 def test_s3fifo_ghost_hit_goes_to_main() -> None:

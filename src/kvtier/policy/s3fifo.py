@@ -2,16 +2,20 @@
 with second chances, and a ghost FIFO that remembers what the small queue evicted.
 
     queue   holds                          on eviction from its head
-    small   new keys (target 10 % of all)  used since insert (freq > 0): to main, freq 0;
-                                           else the victim, and its key goes to ghost
+    small   new keys (target 10 % of all)  used twice since insert (freq >= 2): to main,
+                                           freq 0; else the victim, its key to ghost
     main    keys that proved reuse         freq > 0: freq - 1, back to the tail; else victim
-    ghost   keys only (as many as tracked) a key inserted again while in ghost goes to main
+    ghost   keys only (as many as main's   a key inserted again while in ghost goes to main
+            share: 90 % of all)
 
-Uses raise a key's ``freq`` up to 3. The policy is not told the tier's size: it takes the
-most keys it has tracked at once (the tier's slot count once full) as the cache size for
-the 10 % target and the ghost's length. A pinned key met at a head goes to its queue's tail
-(it is in use). Every call is O(1) amortised: each step of a victim search moves a key to
-main (once per insert), spends a use (once per ``touch``) or passes a pinned key.
+As the paper's Algorithm 1 and its code (libCacheSim ``S3FIFOv0``, "the original S3FIFO
+implementation used in" the paper: ``move-to-main-threshold=2``, ``ghost-size-ratio=0.90``)
+have it: a key moves from small to main only if used more than once there. Uses raise a
+key's ``freq`` up to 3. The policy is not told the tier's size: it takes the most keys it
+has tracked at once (the tier's slot count once full) as the cache size for the 10 %
+target and the ghost's length. A pinned key met at a head goes to its queue's tail (it is
+in use). Every call is O(1) amortised: each step of a victim search moves a key to main
+(once per insert), spends a use (once per ``touch``) or passes a pinned key.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from collections.abc import Hashable
 
 from kvtier.policy.eviction import EvictionPolicy, IsPinned, offered_then_next
 
-SMALL_FRACTION = 0.1
+SMALL_FRACTION = 0.1  # of the cache; main's share (and the ghost's length) is the rest
+MOVE_TO_MAIN_FREQ = 2  # uses in small that earn a key its place in main
 MAX_FREQ = 3
 
 
@@ -62,7 +67,7 @@ class S3FIFOPolicy(EvictionPolicy):
             self._aside.pop(key, None)
         elif from_small:
             self._ghost[key] = None
-            while len(self._ghost) > max(self._capacity_chunks, 1):
+            while len(self._ghost) > max((1 - SMALL_FRACTION) * self._capacity_chunks, 1):
                 self._ghost.popitem(last=False)
         self._freq.pop(key, None)
 
@@ -94,7 +99,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def _from_small(self, is_pinned: IsPinned) -> Hashable | None:
         for _ in range(len(self._small)):
             key = next(iter(self._small))
-            if self._freq[key] > 0:
+            if self._freq[key] >= MOVE_TO_MAIN_FREQ:
                 del self._small[key]
                 self._main[key] = None
                 self._freq[key] = 0
