@@ -61,7 +61,8 @@ def manager(tmp_path: Path | None = None, host_chunks: int = 8) -> KVManager:
 def test_extra_config_maps_onto_the_tier_stack() -> None:
     config = manager_config(
         {"host_mb": 64, "disk_dir": "/tmp/kv", "disk_mb": 128, "remote": "redis://h:1",
-         "remote_ttl_s": 0, "salt": "t1", "write_policy": "write_through"}
+         "remote_ttl_s": 0, "salt": "t1", "write_policy": "write_through",
+         "disk_codec": "int8", "remote_codec": "fp8", "eviction_policy": "s3fifo+prefix"}
     )  # fmt: skip
     assert config.host.capacity_bytes == 64 << 20 and config.tenant_salt == "t1"
     disk, remote = config.lower_tiers
@@ -69,6 +70,10 @@ def test_extra_config_maps_onto_the_tier_stack() -> None:
     assert disk.capacity_bytes == 128 << 20
     assert isinstance(remote, RemoteConfig) and remote.ttl_s is None
     assert config.write_policy == "write_through" and manager_config(None).lower_tiers == ()
+    assert (disk.codec, remote.codec) == ("int8", "fp8")
+    assert config.host.eviction_policy == disk.eviction_policy == "s3fifo+prefix"
+    plain = manager_config({"disk_dir": "/tmp/kv"})
+    assert (plain.lower_tiers[0].codec, plain.host.eviction_policy) == ("raw", "lru")
 
 
 @pytest.mark.parametrize(
@@ -80,6 +85,8 @@ def test_extra_config_maps_onto_the_tier_stack() -> None:
         ({"remote_timeout_s": -1}, r"remote_timeout_s: must be"),
         ({"disk_dir": 3}, r"disk_dir: must be a string or null"),
         ({"write_policy": "always"}, r"write_policy: unknown 'always'"),
+        ({"disk_codec": "zstd"}, r"disk_codec: unknown 'zstd'; accepted: \['raw', 'fp8'"),
+        ({"eviction_policy": "lfu"}, r"eviction_policy: unknown 'lfu'; accepted: \['arc'"),
     ],
 )
 def test_a_bad_extra_config_is_one_line(extra: dict[str, Any], message: str) -> None:

@@ -15,6 +15,11 @@ The keys a vLLM user sets, with kvtier serve's flag of the same meaning::
     write_policy      --write-policy      write_back   write_through: down on seal
     chunk_tokens      --chunk-tokens      256          tokens per chunk (a multiple of
                                                        vLLM's block size)
+    disk_codec        --disk-codec        raw          the disk tier's chunk format: raw
+                                                       (exact), fp8, int8, int4
+    remote_codec      --remote-codec      raw          the shared tier's (as disk_codec)
+    eviction_policy   --eviction-policy   lru          host and disk: lru, fifo, s3fifo,
+                                                       arc, each also +prefix
 
 An unknown key or a bad value raises ``ValueError`` naming the key and what it accepts.
 ``for_bursts`` then sizes the host tier's write-back for vLLM's steps. Pure functions.
@@ -26,7 +31,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.config import WRITE_POLICIES, HostConfig, ManagerConfig, MiB, lower_tiers_of
+from kvtier.config import (
+    CODEC_NAMES,
+    WRITE_POLICIES,
+    HostConfig,
+    ManagerConfig,
+    MiB,
+    lower_tiers_of,
+)
+from kvtier.policy.registry import EVICTION_POLICIES
 from kvtier.validate import check_int, check_number
 
 PREFIX = "kv_connector_extra_config"
@@ -43,6 +56,9 @@ DEFAULTS: dict[str, Any] = {
     "salt": "",
     "write_policy": "write_back",
     "chunk_tokens": 256,
+    "disk_codec": "raw",
+    "remote_codec": "raw",
+    "eviction_policy": "lru",
 }
 
 
@@ -78,16 +94,22 @@ def manager_config(extra: Mapping[str, Any] | None) -> ManagerConfig:
     for key, optional in (("disk_dir", True), ("remote", True), ("remote_prefix", False)):
         _text(values, key, optional)
     _text(values, "salt", False)
-    if values["write_policy"] not in WRITE_POLICIES:
-        raise _error(
-            "write_policy", f"unknown {values['write_policy']!r}; accepted: {list(WRITE_POLICIES)}"
-        )
+    for key, accepted in (
+        ("write_policy", list(WRITE_POLICIES)),
+        ("disk_codec", list(CODEC_NAMES)),
+        ("remote_codec", list(CODEC_NAMES)),
+        ("eviction_policy", sorted(EVICTION_POLICIES)),
+    ):
+        if values[key] not in accepted:
+            raise _error(key, f"unknown {values[key]!r}; accepted: {accepted}")
     try:
         return ManagerConfig(
             chunk_tokens=values["chunk_tokens"],
             write_policy=values["write_policy"],
             tenant_salt=values["salt"],
-            host=HostConfig(capacity_bytes=values["host_mb"] * MiB),
+            host=HostConfig(
+                capacity_bytes=values["host_mb"] * MiB, eviction_policy=values["eviction_policy"]
+            ),
             lower_tiers=lower_tiers_of(
                 values["disk_dir"],
                 values["disk_mb"],
@@ -96,6 +118,9 @@ def manager_config(extra: Mapping[str, Any] | None) -> ManagerConfig:
                 values["remote_ttl_s"],
                 values["remote_timeout_s"],
                 values["remote_mb"],
+                values["disk_codec"],
+                values["remote_codec"],
+                values["eviction_policy"],
             ),
         )
     except ValueError as exc:  # a tier's own check (e.g. a URL it cannot parse)
