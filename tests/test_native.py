@@ -94,7 +94,18 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(groups: i
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "earlier", "new"),
-    [(9, 3, 64, 0, 256), (9, 3, 64, 300, 70), (8, 2, 128, 64, 17), (4, 4, 64, 5, 1)],
+    [
+        (9, 3, 64, 0, 256),
+        (9, 3, 64, 300, 70),
+        (8, 2, 128, 64, 17),
+        (4, 4, 64, 5, 1),
+        (9, 3, 64, 0, 1061),  # a long pass, not a whole number of 128-key blocks
+        (9, 3, 64, 2500, 300),  # many earlier keys, odd counts
+        (8, 2, 128, 0, 333),  # head dim 128, 4 query heads a KV head
+        (4, 2, 128, 129, 2),  # a 2-token pass, 14 idle lanes
+        (16, 2, 64, 40, 33),  # 8 query heads a KV head: score tiles of 3, 3 and 2 vectors
+        (7, 1, 64, 17, 150),  # 7 query heads a KV head: tiles of 3, 3 and 1
+    ],
 )
 def test_attend_prefill_equals_masked_sdpa_on_strided_views(
     heads: int, kv_heads: int, dim: int, earlier: int, new: int
@@ -194,10 +205,10 @@ def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 13])
 def test_linear_rows_equals_f_linear(rows: int) -> None:
-    """Row groups of 6 and their remainder; with and without a bias."""
+    """Row groups of 6 and their remainder, an odd output count; with and without a bias."""
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=gen)
-    w, b = torch.randn(20, 96, generator=gen), torch.randn(20, generator=gen)
+    x = torch.randn(rows, 112, generator=gen)  # 3 pairs of vectors and one left
+    w, b = torch.randn(21, 112, generator=gen), torch.randn(21, generator=gen)  # O any
     torch.testing.assert_close(_ops().linear_rows(x, w, None), F.linear(x, w))
     torch.testing.assert_close(_ops().linear_rows(x, w, b), F.linear(x, w, b))
     with pytest.raises(RuntimeError, match="multiple of 16"):

@@ -6,14 +6,21 @@
 //   k_new, v_new [Hkv, S, D]   the pass's own keys: query i sees k_new[:, 0..i]
 //   out    [S, Hq, D]   written (any strides, the last one 1)
 //
-// Query head h reads KV head h / (Hq / Hkv). The keys of each KV head are first copied
-// once into scratch, K transposed per 64-key block ([L / 64, D, 64]) and V as rows ([L, D]), L = R + S rounded up
-// to a 64-key block. Work items are (KV head, block of 16 positions): the block's
-// G x 16 query rows stay in L1 with their running max, sum and output while the item walks
-// the key blocks its last position can see, an online softmax (FlashAttention's) per
-// row. Scores are computed 4 rows x 64 keys at a time in vector registers, and so is
-// P.V. Items go to torch's threads from a shared counter, the longest (last) blocks
-// first, since causal items differ in length.
+// Query head h reads KV head h / (Hq / Hkv). A work item is (KV head, 16 positions): its
+// G = Hq / Hkv heads give G vectors of 16 query rows, one row per lane, the queries
+// transposed and scaled into scratch (qt [G][D][16]). The item walks its keys (the earlier
+// ones, then the new ones up to its last position) straight from the caller's tensors, in
+// blocks of 128, FlashAttention-2 style:
+//
+//   scores  s [key][row]  tiles of 3 row vectors x 8 keys in 24 registers, each key's
+//                         element broadcast against 16 queries (no transposed K, no
+//                         horizontal sums); keys past a row's position masked on the
+//                         diagonal only
+//   softmax per lane      running max m, sum l and the block's alpha as vectors of 16 rows
+//   o += p . v            4 rows x D (2 for D 128) in registers, one V load per vector
+//
+// Items go to torch's threads from a shared counter, the longest (last) positions first,
+// since causal items differ in length.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,127 +38,173 @@ namespace {
 
 using namespace kvtier_vec;
 
-constexpr int64_t kKeys = 64;       // keys per block: 4 vectors of scores per row
-constexpr int64_t kPositions = 16;  // query positions per work item
-constexpr int64_t kRowGroup = 4;    // query rows computed together
+constexpr int64_t kKeys = 128;         // keys per online-softmax block
+constexpr int64_t kPositions = kLanes;  // query positions per work item, one per lane
+constexpr int kTileKeys = 8;           // keys per score tile
+constexpr int kTileVectors = 3;        // row vectors per score tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Scratch copies of KV head h's keys [j0, j1) (whole 64-key blocks): kt [L / 64, D, 64]
-// (each block of 64 keys transposed and contiguous) and vr [L, D]; keys past the end are 0.
-void stage_keys(const at::Tensor& k_old, const at::Tensor& v_old, const at::Tensor& k_new,
-                const at::Tensor& v_new, int64_t h, int64_t j0, int64_t j1, float* kt,
-                float* vr) {
-  const int64_t dim = k_new.size(2), old_len = k_old.size(1), new_len = k_new.size(1);
-  const float* ko = k_old.data_ptr<float>();
-  const float* vo = v_old.data_ptr<float>();
-  const float* kn = k_new.data_ptr<float>();
-  const float* vn = v_new.data_ptr<float>();
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* kj = nullptr;
-    const float* vj = nullptr;
-    if (j < old_len) {
-      kj = ko + h * k_old.stride(0) + j * k_old.stride(1);
-      vj = vo + h * v_old.stride(0) + j * v_old.stride(1);
-    } else if (j < old_len + new_len) {
-      kj = kn + h * k_new.stride(0) + (j - old_len) * k_new.stride(1);
-      vj = vn + h * v_new.stride(0) + (j - old_len) * v_new.stride(1);
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+// exp(x) for the softmax (x <= 0: a score less its running max): vec.h's exp_vec with the
+// same polynomial, rounded to nearest in one instruction and scaled by 2^n with vscalefps.
+inline vfloat exp_softmax(vfloat x) {
+#ifdef __AVX512F__
+  x = vmax(x, vfloat{} - 87.3f);  // as exp_vec: no denormals
+  const __m512 t = reinterpret_cast<const __m512&>(x) * 1.44269504088896341f;
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat y = exp_poly(x, reinterpret_cast<const vfloat&>(n));
+  const __m512 e = _mm512_scalef_ps(reinterpret_cast<const __m512&>(y), n);
+  return reinterpret_cast<const vfloat&>(e);
+#else
+  return exp_vec(x);
+#endif
+}
+
+// A tile of scores: RV row vectors (qt [RV][D][16]) against NK keys (rows k, k + ks, ...),
+// stored to s[key][row] (rows_total floats per key); bmax[v] takes the tile's max. from:
+// per key, the first lane that sees it (nullptr: every lane does).
+template <int D, int RV, int NK>
+inline void score_tile(const float* qt, const float* k, int64_t ks, float* s, int64_t rows_total,
+                       vfloat* bmax, const float* from) {
+  vfloat acc[RV][NK];
+  for (int v = 0; v < RV; ++v) {
+    for (int n = 0; n < NK; ++n) acc[v][n] = vfloat{};
+  }
+  for (int d = 0; d < D; ++d) {
+    vfloat q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = load(qt + (v * D + d) * kLanes);
+    for (int n = 0; n < NK; ++n) {
+      const float kd = k[n * ks + d];
+      for (int v = 0; v < RV; ++v) acc[v][n] += q[v] * kd;
     }
-    float* kblock = kt + j / kKeys * dim * kKeys + j % kKeys;
-    for (int64_t d = 0; d < dim; ++d) kblock[d * kKeys] = kj ? kj[d] : 0.f;
-    if (vj) {
-      std::memcpy(vr + j * dim, vj, dim * sizeof(float));
-    } else {
-      std::fill_n(vr + j * dim, dim, 0.f);
+  }
+  const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int n = 0; n < NK; ++n) {
+    for (int v = 0; v < RV; ++v) {
+      vfloat x = acc[v][n];
+      if (from) x = lane >= from[n] ? x : vfloat{} + kNegInf;
+      bmax[v] = vmax(bmax[v], x);
+      store(s + n * rows_total + v * kLanes, x);
     }
   }
 }
 
-// A buffer of at least n floats, owned by the calling thread and reused by its later calls
-// (growing to the largest), so a call neither zero-fills nor page-faults fresh memory.
-float* scratch(std::vector<float>& buffer, size_t n) {
-  if (buffer.size() < n) buffer.resize(n);
-  return buffer.data();
+template <int D, int RV>
+inline void score_tile_n(int nk, const float* qt, const float* k, int64_t ks, float* s,
+                         int64_t rows_total, vfloat* bmax, const float* from) {
+  switch (nk) {  // a tile's keys: 8, fewer at a block's end
+    case 8: return score_tile<D, RV, 8>(qt, k, ks, s, rows_total, bmax, from);
+    case 7: return score_tile<D, RV, 7>(qt, k, ks, s, rows_total, bmax, from);
+    case 6: return score_tile<D, RV, 6>(qt, k, ks, s, rows_total, bmax, from);
+    case 5: return score_tile<D, RV, 5>(qt, k, ks, s, rows_total, bmax, from);
+    case 4: return score_tile<D, RV, 4>(qt, k, ks, s, rows_total, bmax, from);
+    case 3: return score_tile<D, RV, 3>(qt, k, ks, s, rows_total, bmax, from);
+    case 2: return score_tile<D, RV, 2>(qt, k, ks, s, rows_total, bmax, from);
+    default: return score_tile<D, RV, 1>(qt, k, ks, s, rows_total, bmax, from);
+  }
 }
 
-// One item: rows [rows, D] of pre-scaled queries; row r sees keys 0..limit[r] (inclusive).
-// o [rows, D], m and l [rows], s [rows, kKeys] are the item's scratch (rows % 4 == 0).
-template <int D>
-void attend_item(const float* q, const int64_t* limit, int64_t rows, const float* kt,
-                 const float* vr, float* o, float* m, float* l, float* s) {
+// o[g] = o[g] * alpha[g] + sum_j p[j][g] v[j] for RG rows (p [key][row], rows_total floats
+// per key; v rows with stride vs; o [RG, D]).
+template <int D, int RG>
+inline void pv_tile(const float* p, int64_t rows_total, int64_t nk, const float* v,
+                    int64_t vs, const float* alpha, float* o) {
   constexpr int C = D / kLanes;
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  int64_t last = 0;
-  for (int64_t r = 0; r < rows; ++r) last = std::max(last, limit[r]);
-  std::fill_n(o, rows * D, 0.f);
-  std::fill_n(m, rows, kNegInf);
-  std::fill_n(l, rows, 0.f);
-  for (int64_t k0 = 0; k0 <= last; k0 += kKeys) {
-    const float* kb = kt + k0 * D;  // this block's [D, 64]
-    for (int64_t r = 0; r < rows; r += kRowGroup) {  // scores, 4 rows x 64 keys
-      vfloat acc[kRowGroup][4] = {};
-      for (int d = 0; d < D; ++d) {
-        const float* kd = kb + d * kKeys;
-        const vfloat k_0 = load(kd), k_1 = load(kd + 16), k_2 = load(kd + 32),
-                     k_3 = load(kd + 48);
-        for (int i = 0; i < kRowGroup; ++i) {
-          const float qd = q[(r + i) * D + d];
-          acc[i][0] += qd * k_0;
-          acc[i][1] += qd * k_1;
-          acc[i][2] += qd * k_2;
-          acc[i][3] += qd * k_3;
-        }
-      }
-      for (int i = 0; i < kRowGroup; ++i) {
-        for (int c = 0; c < 4; ++c) store(s + (r + i) * kKeys + c * kLanes, acc[i][c]);
-      }
+  vfloat acc[RG][C];
+  for (int g = 0; g < RG; ++g) {
+    for (int c = 0; c < C; ++c) acc[g][c] = load(o + g * D + c * kLanes) * alpha[g];
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    vfloat vj[C];
+    for (int c = 0; c < C; ++c) {
+      vj[c] = load(v + j * vs + c * kLanes);
+      // Held in a register: GCC would otherwise fold the load into each row's FMA, RG
+      // 64-byte loads per vector where the core issues one a cycle (15 % slower).
+      asm("" : "+v"(vj[c]));
     }
-    for (int64_t r = 0; r < rows; ++r) {  // online softmax, per row
-      float* sr = s + r * kKeys;
-      const int64_t valid = std::min<int64_t>(kKeys, limit[r] - k0 + 1);
-      if (valid <= 0) {
-        std::fill_n(sr, kKeys, 0.f);
-        continue;
-      }
-      if (valid < kKeys) std::fill(sr + valid, sr + kKeys, kNegInf);
-      vfloat vmax = load(sr);
-      for (int c = 1; c < 4; ++c) vmax = vmax > load(sr + c * kLanes) ? vmax : load(sr + c * kLanes);
-      const float new_max = std::max(m[r], lane_max(vmax));
-      const float alpha = m[r] == kNegInf ? 0.f : exp_scalar(m[r] - new_max);
-      vfloat vsum{};
-      for (int c = 0; c < 4; ++c) {
-        vfloat e = exp_vec(load(sr + c * kLanes) - new_max);
-        const vfloat lane = vfloat{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
-                            static_cast<float>(c * kLanes);
-        e = lane < static_cast<float>(valid) ? e : vfloat{};  // masked keys weigh 0
-        store(sr + c * kLanes, e);
-        vsum += e;
-      }
-      const float sum = lane_sum(vsum);
-      l[r] = l[r] * alpha + sum;
-      m[r] = new_max;
-      if (alpha != 1.f) {
-        for (int c = 0; c < C; ++c) store(o + r * D + c * kLanes, load(o + r * D + c * kLanes) * alpha);
-      }
-    }
-    const float* vb = vr + k0 * D;
-    constexpr int G = C > 4 ? 2 : kRowGroup;  // output rows kept in registers
-    for (int64_t r = 0; r < rows; r += G) {  // o += p . v
-      vfloat acc[G][C];
-      for (int i = 0; i < G; ++i) {
-        for (int c = 0; c < C; ++c) acc[i][c] = load(o + (r + i) * D + c * kLanes);
-      }
-      for (int64_t j = 0; j < kKeys; ++j) {
-        vfloat v[C];
-        for (int c = 0; c < C; ++c) v[c] = load(vb + j * D + c * kLanes);
-        for (int i = 0; i < G; ++i) {
-          const float p = s[(r + i) * kKeys + j];
-          for (int c = 0; c < C; ++c) acc[i][c] += p * v[c];
-        }
-      }
-      for (int i = 0; i < G; ++i) {
-        for (int c = 0; c < C; ++c) store(o + (r + i) * D + c * kLanes, acc[i][c]);
-      }
+    for (int g = 0; g < RG; ++g) {
+      const float pj = p[j * rows_total + g];
+      for (int c = 0; c < C; ++c) acc[g][c] += pj * vj[c];
     }
   }
+  for (int g = 0; g < RG; ++g) {
+    for (int c = 0; c < C; ++c) store(o + g * D + c * kLanes, acc[g][c]);
+  }
+}
+
+// One item's scratch: nv = G vectors of 16 rows (row r = vector r / 16, lane r % 16).
+struct Item {
+  int64_t nv;
+  const float* qt;  // [nv][D][16] scaled queries
+  float* o;         // [nv * 16][D] unnormalised output
+  float* s;         // [kKeys][nv * 16] scores, then probabilities
+  vfloat* m;        // [nv] running max
+  vfloat* l;        // [nv] running sum
+  vfloat* bmax;     // [nv] the block's max
+  float* alpha;     // [nv * 16] the block's rescale of o
+  float* from;      // [kKeys] first lane that sees each key of the block
+};
+
+// The item's next block: nk <= kKeys keys (rows k, v with strides ks, vs). diag >= 0: the
+// block holds new keys past p0, the item's first position; diag is its first key's index
+// among the new keys, and lane i sees new key j iff j <= p0 + i.
+template <int D>
+void attend_block(const Item& it, const float* k, int64_t ks, const float* v, int64_t vs,
+                  int64_t nk, int64_t diag, int64_t p0) {
+  const int64_t nv = it.nv, rows_total = nv * kLanes;
+  for (int64_t i = 0; i < nv; ++i) it.bmax[i] = vfloat{} + kNegInf;
+  if (diag >= 0) {
+    for (int64_t j = 0; j < nk; ++j) it.from[j] = static_cast<float>(diag + j - p0);
+  }
+  for (int64_t j = 0; j < nk; j += kTileKeys) {
+    const int n = static_cast<int>(std::min<int64_t>(kTileKeys, nk - j));
+    const float* from = diag >= 0 && diag + j + n - 1 > p0 ? it.from + j : nullptr;
+    const float* kj = k + j * ks;
+    float* sj = it.s + j * rows_total;
+    int64_t i = 0;
+    for (; i + kTileVectors <= nv; i += kTileVectors) {
+      score_tile_n<D, kTileVectors>(n, it.qt + i * D * kLanes, kj, ks, sj + i * kLanes,
+                                    rows_total, it.bmax + i, from);
+    }
+    if (nv - i == 2) {
+      score_tile_n<D, 2>(n, it.qt + i * D * kLanes, kj, ks, sj + i * kLanes, rows_total,
+                         it.bmax + i, from);
+    } else if (nv - i == 1) {
+      score_tile_n<D, 1>(n, it.qt + i * D * kLanes, kj, ks, sj + i * kLanes, rows_total,
+                         it.bmax + i, from);
+    }
+  }
+  const bool masked = diag >= 0 && diag + nk - 1 > p0;
+  for (int64_t i = 0; i < nv; ++i) {  // online softmax, 16 rows a vector
+    const vfloat m_new = vmax(it.m[i], it.bmax[i]);  // finite: key 0 comes first
+    const vfloat alpha = exp_softmax(it.m[i] - m_new);
+    vfloat sum{};
+    for (int64_t j = 0; j < nk; ++j) {
+      float* sp = it.s + j * rows_total + i * kLanes;
+      const vfloat x = load(sp);
+      vfloat p = exp_softmax(x - m_new);
+      if (masked) p = x == kNegInf ? vfloat{} : p;  // masked keys weigh 0
+      store(sp, p);
+      sum += p;
+    }
+    it.l[i] = it.l[i] * alpha + sum;
+    it.m[i] = m_new;
+    store(it.alpha + i * kLanes, alpha);
+  }
+  constexpr int RG = D == 64 ? 4 : 2;  // output rows in registers: RG x D / 16 = 16
+  for (int64_t r = 0; r < rows_total; r += RG) {
+    pv_tile<D, RG>(it.s + r, rows_total, nk, v, vs, it.alpha + r, it.o + r * D);
+  }
+}
+
+// A buffer of at least n floats from 64-byte-aligned storage, owned by the calling thread
+// and reused by its later calls (growing to the largest), so a call neither zero-fills nor
+// page-faults fresh memory.
+float* scratch(std::vector<float>& buffer, size_t n) {
+  if (buffer.size() < n + kLanes) buffer.resize(n + kLanes);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
 }
 
 template <int D>
@@ -160,57 +213,68 @@ void attend_prefill_impl(const at::Tensor& query, const at::Tensor& k_old,
                          const at::Tensor& v_new, const at::Tensor& out, double scale) {
   const int64_t hq = query.size(0), len = query.size(1), hkv = k_new.size(0);
   const int64_t groups = hq / hkv, old_len = k_old.size(1);
-  const int64_t padded = (old_len + len + kKeys - 1) / kKeys * kKeys;
-  thread_local std::vector<float> keys_buffer;
-  float* kt = scratch(keys_buffer, 2 * hkv * D * padded);
-  float* vr = kt + hkv * D * padded;
-  const int64_t key_blocks = padded / kKeys;
-  at::parallel_for(0, hkv * key_blocks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / key_blocks, j0 = i % key_blocks * kKeys;
-      stage_keys(k_old, v_old, k_new, v_new, h, j0, j0 + kKeys, kt + h * D * padded,
-                 vr + h * padded * D);
-    }
-  });
+  const int64_t nv = groups, rows = nv * kLanes;  // one vector of 16 positions per head
   const int64_t blocks = (len + kPositions - 1) / kPositions;
   const int64_t items = blocks * hkv;
-  const int64_t max_rows = (kPositions * groups + kRowGroup - 1) / kRowGroup * kRowGroup;
   std::atomic<int64_t> next{0};
   const float* qp = query.data_ptr<float>();
+  const float* kop = k_old.data_ptr<float>();
+  const float* vop = v_old.data_ptr<float>();
+  const float* knp = k_new.data_ptr<float>();
+  const float* vnp = v_new.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    thread_local std::vector<float> item_buffer;
-    float* q = scratch(item_buffer, max_rows * (2 * D + 2 + kKeys));
-    float* o = q + max_rows * D;
-    float* m = o + max_rows * D;
-    float* l = m + max_rows;
-    float* s = l + max_rows;
-    thread_local std::vector<int64_t> limit;
-    if (limit.size() < static_cast<size_t>(max_rows)) limit.resize(max_rows);
+    thread_local std::vector<float> buffer;
+    float* qt = scratch(buffer, rows * (2 * D + kKeys + 4) + kKeys);
+    Item it{nv, qt, qt + rows * D, qt + 2 * rows * D};
+    it.m = reinterpret_cast<vfloat*>(it.s + kKeys * rows);  // each row offset a multiple
+    it.l = it.m + nv;                                       // of 16 floats: aligned
+    it.bmax = it.l + nv;
+    it.alpha = reinterpret_cast<float*>(it.bmax + nv);
+    it.from = it.alpha + rows;
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t block = blocks - 1 - item / hkv, h = item % hkv;  // longest first
       const int64_t p0 = block * kPositions, np = std::min(kPositions, len - p0);
-      const int64_t rows = (np * groups + kRowGroup - 1) / kRowGroup * kRowGroup;
-      for (int64_t r = 0; r < rows; ++r) {  // row r = position p0 + r / G, head h G + r % G
-        const int64_t p = r / groups, g = r % groups;
-        float* qr = q + r * D;
-        if (p < np) {
-          const float* src = qp + (h * groups + g) * query.stride(0) + (p0 + p) * query.stride(1);
-          for (int d = 0; d < D; ++d) qr[d] = src[d] * sc;
-          limit[r] = old_len + p0 + p;
-        } else {  // padding rows: computed over key 0 only, never written
-          std::fill_n(qr, D, 0.f);
-          limit[r] = 0;
+      for (int64_t g = 0; g < groups; ++g) {  // qt[g][d][p] = q[h G + g][p0 + p][d] * scale
+        const float* src = qp + (h * groups + g) * query.stride(0) + p0 * query.stride(1);
+        float* dst = qt + g * D * kLanes;
+        for (int64_t p = 0; p < kPositions; ++p) {
+          if (p < np) {
+            const float* sp = src + p * query.stride(1);
+            for (int d = 0; d < D; ++d) dst[d * kLanes + p] = sp[d] * sc;
+          } else {  // lanes past the last position: zero queries over real keys, never written
+            for (int d = 0; d < D; ++d) dst[d * kLanes + p] = 0.f;
+          }
         }
       }
-      attend_item<D>(q, limit.data(), rows, kt + h * D * padded, vr + h * padded * D, o, m, l,
-                     s);
-      for (int64_t r = 0; r < np * groups; ++r) {
-        const int64_t p = r / groups, g = r % groups;
-        float* dst = op + (p0 + p) * out.stride(0) + (h * groups + g) * out.stride(1);
-        const float inv = 1.f / l[r];
-        for (int d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+      std::fill_n(it.o, rows * D, 0.f);
+      for (int64_t i = 0; i < nv; ++i) {
+        it.m[i] = vfloat{} + kNegInf;
+        it.l[i] = vfloat{};
+      }
+      const float* ko = kop + h * k_old.stride(0);
+      const float* vo = vop + h * v_old.stride(0);
+      for (int64_t j = 0; j < old_len; j += kKeys) {
+        const int64_t nk = std::min(kKeys, old_len - j);
+        attend_block<D>(it, ko + j * k_old.stride(1), k_old.stride(1), vo + j * v_old.stride(1),
+                        v_old.stride(1), nk, -1, p0);
+      }
+      const float* kn = knp + h * k_new.stride(0);
+      const float* vn = vnp + h * v_new.stride(0);
+      for (int64_t j = 0, end = p0 + np; j < end; j += kKeys) {
+        const int64_t nk = std::min(kKeys, end - j);
+        attend_block<D>(it, kn + j * k_new.stride(1), k_new.stride(1), vn + j * v_new.stride(1),
+                        v_new.stride(1), nk, j + nk - 1 > p0 ? j : -1, p0);
+      }
+      const float* l = reinterpret_cast<const float*>(it.l);
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t p = 0; p < np; ++p) {
+          const int64_t r = g * kLanes + p;
+          float* dst = op + (p0 + p) * out.stride(0) + (h * groups + g) * out.stride(1);
+          const float inv = 1.f / l[r];
+          for (int d = 0; d < D; ++d) dst[d] = it.o[r * D + d] * inv;
+        }
       }
     }
   });

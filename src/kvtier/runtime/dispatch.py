@@ -80,12 +80,12 @@ def attend_packed(
 _FUSED_HEAD_DIMS = (64, 128)
 """Head dims kvtier's ``attend_prefill`` kernel is compiled for."""
 
-FUSED_MAX_TOKENS = 512
-FUSED_MAX_EARLIER_PER_TOKEN = 2
-"""The fused kernel takes passes of at most 512 tokens with at most 2 earlier keys per new
-token: where it measured faster. Beyond, torch's path is faster: its unmasked block over
-the earlier keys runs as MKL matmuls at 100-128 GFLOP/s, the kernel at 85-90 (a 2,048-token
-pass over 2,048 earlier keys: 115 against 167 ms)."""
+FUSED_MIN_TOKENS = 2
+"""The fused kernel takes every pass of at least 2 tokens, however long and however many
+earlier keys (a one-token pass is a decode). It measured faster than torch's SDPA at every
+length: 135-175 GFLOP/s from 16 tokens up (a 2,048-token pass over 0 / 2,048 / 6,144
+earlier keys: 172 / 165 / 139 against SDPA's 108 / 73 / 82), and even for 2 tokens over
+4,096 (16 against 16, where 14 of each item's 16 lanes idle)."""
 
 
 def _fused_inputs(
@@ -94,18 +94,19 @@ def _fused_inputs(
     """``(ops, k_old, v_old, k_new, v_new)`` for kvtier's ``attend_prefill`` over
     ``query [1, Hq, S, D]`` where it applies: kvtier's CPU kernels, float32 on the CPU, a
     full-attention layer without soft-cap whose whole KV is resident and unpadded, the
-    pass's own keys last
-    in ``recent_key`` (with nothing before them there when chunks are resident too), within
-    ``FUSED_MAX_TOKENS``. None: the segments path.
+    pass's own keys last in ``recent_key`` (with nothing before them there when chunks are
+    resident too), at least ``FUSED_MIN_TOKENS``. None: the segments path.
 
-    Measured against the segments-and-merge path on SmolLM2's shape (9 query heads over
-    3, D 64; 2-core AMD EPYC, interleaved; docs/benchmarks.md): a 256-token pass with no
-    earlier keys 0.9-1.0 against 1.1-2.1 ms, over 512 earlier keys 4.5-5.2 against 6.5-7.2;
-    a 512-token pass with none 3.8-4.0 against 5.2-7.8 ms.
+    Measured against torch's SDPA (``enable_gqa``, causal or with the pass's mask) on
+    SmolLM2's shape (9 query heads over 3, D 64, float32; 2-core AMD EPYC Zen 4, 2 threads,
+    interleaved, best of 5; GFLOP/s kernel against SDPA): 256 tokens over none 138 against
+    51, over 2,048 earlier keys 156 against 87; 512 over none 145 against 54, over 1,024
+    156 against 75; 2,048 over none 172 against 108, over 2,048 165 against 73, over 6,144
+    139 against 82; 4,096 over none 166 against 114.
     """
     sq, dim = query.shape[2], query.shape[3]
     if (
-        sq < 2
+        sq < FUSED_MIN_TOKENS
         or softcap is not None
         or query.shape[0] != 1
         or view.window is not None
@@ -123,9 +124,6 @@ def _fused_inputs(
         return None
     if view.resident_key is not None and earlier > 0:
         return None  # three sources; the segments path takes it
-    resident = 0 if view.resident_key is None else view.resident_key.shape[1]
-    if sq > FUSED_MAX_TOKENS or resident + earlier > FUSED_MAX_EARLIER_PER_TOKEN * sq:
-        return None
     ops = native.ops()
     if ops is None:
         return None
