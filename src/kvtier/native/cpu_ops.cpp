@@ -477,29 +477,30 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 
 // linear_rows: y [M, O] = x [M, I] w[O, I]^T (+ bias [O]) for a few rows M, every weight
-// row read from memory once: output rows in blocks of 4 across the threads, input rows in
-// groups of up to 6 (the block's 4 weight rows stay in cache between groups); float32,
-// x, w and bias contiguous. I must be a multiple of 16 and O of 4.
+// row read from memory once, in order: each thread walks its contiguous share of the output
+// rows one weight row at a time (a single sequential stream, which the hardware prefetcher
+// follows best), computing that row's dot product with up to 6 input rows at once (the
+// input rows stay in L1). Measured on the 2-core AMD EPYC over SmolLM2-135M's 121
+// projections at M = 1: 15 % faster than the earlier blocks of 4 weight rows (four
+// interleaved streams), within 5 % of torch's read-only sum over the same weights.
+// float32, x, w and bias contiguous; I must be a multiple of 16.
 template <int R>
-inline void rows_block(const float* x, int64_t in, const float* w, float* y, int64_t out_n,
-                       const float* bias) {
-  vfloat acc[R][4] = {};
-  for (int64_t i = 0; i < in; i += kLanes) {
-    const vfloat w0 = load(w + i), w1 = load(w + in + i);
-    const vfloat w2 = load(w + 2 * in + i), w3 = load(w + 3 * in + i);
+inline void rows_dot(const float* x, int64_t in, const float* w, float* y, int64_t out_n,
+                     float bias) {
+  vfloat acc[R][2] = {};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= in; i += 2 * kLanes) {
+    const vfloat w0 = load(w + i), w1 = load(w + i + kLanes);
     for (int r = 0; r < R; ++r) {
-      const vfloat xv = load(x + r * in + i);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-      acc[r][2] += xv * w2;
-      acc[r][3] += xv * w3;
+      acc[r][0] += load(x + r * in + i) * w0;
+      acc[r][1] += load(x + r * in + i + kLanes) * w1;
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) {
-      y[r * out_n + c] = lane_sum(acc[r][c]) + (bias != nullptr ? bias[c] : 0.f);
-    }
+  if (i < in) {  // one vector left (I is a multiple of 16)
+    const vfloat w0 = load(w + i);
+    for (int r = 0; r < R; ++r) acc[r][0] += load(x + r * in + i) * w0;
   }
+  for (int r = 0; r < R; ++r) y[r * out_n] = lane_sum(acc[r][0] + acc[r][1]) + bias;
 }
 
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
@@ -508,8 +509,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
                   x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
               "linear_rows: x [M, I] and w [O, I] must be contiguous float32");
   const int64_t rows = x.size(0), in = x.size(1), out_n = w.size(0);
-  TORCH_CHECK(w.size(1) == in && in % kLanes == 0 && out_n % 4 == 0,
-              "linear_rows: w must be [O, I] with I a multiple of 16 and O of 4");
+  TORCH_CHECK(w.size(1) == in && in % kLanes == 0,
+              "linear_rows: w must be [O, I] with I a multiple of 16");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat &&
@@ -521,20 +522,20 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, out_n / 4, 8, [=](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* wb = wp + 4 * b * in;
-      const float* bb = bp != nullptr ? bp + 4 * b : nullptr;
+  at::parallel_for(0, out_n, 32, [=](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const float* wr = wp + o * in;
+      const float b = bp != nullptr ? bp[o] : 0.f;
       for (int64_t r = 0; r < rows; r += 6) {
         const float* xr = xp + r * in;
-        float* yr = yp + r * out_n + 4 * b;
+        float* yr = yp + r * out_n + o;
         switch (std::min<int64_t>(6, rows - r)) {
-          case 1: rows_block<1>(xr, in, wb, yr, out_n, bb); break;
-          case 2: rows_block<2>(xr, in, wb, yr, out_n, bb); break;
-          case 3: rows_block<3>(xr, in, wb, yr, out_n, bb); break;
-          case 4: rows_block<4>(xr, in, wb, yr, out_n, bb); break;
-          case 5: rows_block<5>(xr, in, wb, yr, out_n, bb); break;
-          default: rows_block<6>(xr, in, wb, yr, out_n, bb); break;
+          case 1: rows_dot<1>(xr, in, wr, yr, out_n, b); break;
+          case 2: rows_dot<2>(xr, in, wr, yr, out_n, b); break;
+          case 3: rows_dot<3>(xr, in, wr, yr, out_n, b); break;
+          case 4: rows_dot<4>(xr, in, wr, yr, out_n, b); break;
+          case 5: rows_dot<5>(xr, in, wr, yr, out_n, b); break;
+          default: rows_dot<6>(xr, in, wr, yr, out_n, b); break;
         }
       }
     }
