@@ -70,6 +70,20 @@ def test_sample_greedy_seeded_and_within_the_filtered_set() -> None:
     assert [sample(logits, params, gen) for _ in range(200)] != sequence
 
 
+def test_draws_follow_the_distribution_and_never_pick_a_filtered_token() -> None:
+    """40,000 seeded draws over five tokens (one filtered out by top-k): each token's share
+    is within 1.5 % of its probability, and the filtered one (the last) is never drawn."""
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -3.0])
+    params = SamplingParams(temperature=1.0, top_k=4, seed=3)
+    gen = make_generator(3)
+    counts = torch.bincount(
+        torch.tensor([sample(logits, params, gen) for _ in range(40_000)]), minlength=5
+    )
+    expected = torch.softmax(filter_logits(logits, top_k=4).double(), dim=-1)
+    assert counts[4] == 0
+    assert torch.allclose(counts.double() / counts.sum(), expected, atol=0.015)
+
+
 def stream_all(stream: TextStream, ids: list[int]) -> list[str]:
     return [stream.push(t) for t in ids]
 
