@@ -128,17 +128,26 @@ inline void put_codes(const uint8_t* q, int64_t dim, int64_t bits, uint8_t* dst)
   for (int64_t j = 0; j < dim / 2; ++j) dst[j] = q[2 * j] | static_cast<uint8_t>(q[2 * j + 1] << 4);
 }
 
+// The checks both KIVI directions share: ``chunk`` (the fp32 side) and the encoded sections
+// (offsets fp32, steps fp16, codes bytes) sized for it at ``bits``.
+void check_kivi(const char* op, const at::Tensor& chunk, const at::Tensor& k_min,
+                const at::Tensor& v_min, const at::Tensor& k_step, const at::Tensor& v_step,
+                const at::Tensor& codes, int64_t bits) {
+  check_chunk(op, chunk);
+  TORCH_CHECK(bits == 8 || (bits == 4 && chunk.size(4) % 2 == 0), op,
+              ": bits must be 8, or 4 with an even head dim");
+  const int64_t L = chunk.size(0), H = chunk.size(2), T = chunk.size(3), D = chunk.size(4);
+  check_section(op, k_min, at::kFloat, L * H * D);
+  check_section(op, v_min, at::kFloat, L * H * T);
+  check_section(op, k_step, at::kHalf, L * H * D);
+  check_section(op, v_step, at::kHalf, L * H * T);
+  check_section(op, codes, at::kByte, L * 2 * H * T * D * bits / 8);
+}
+
 void kivi_encode(const at::Tensor& chunk, at::Tensor& k_min, at::Tensor& v_min,
                  at::Tensor& k_step, at::Tensor& v_step, at::Tensor& codes, int64_t bits) {
-  check_chunk("kivi_encode", chunk);
-  TORCH_CHECK(bits == 8 || (bits == 4 && chunk.size(4) % 2 == 0),
-              "kivi_encode: bits must be 8, or 4 with an even head dim");
+  check_kivi("kivi_encode", chunk, k_min, v_min, k_step, v_step, codes, bits);
   const int64_t L = chunk.size(0), H = chunk.size(2), T = chunk.size(3), D = chunk.size(4);
-  check_section("kivi_encode", k_min, at::kFloat, L * H * D);
-  check_section("kivi_encode", v_min, at::kFloat, L * H * T);
-  check_section("kivi_encode", k_step, at::kHalf, L * H * D);
-  check_section("kivi_encode", v_step, at::kHalf, L * H * T);
-  check_section("kivi_encode", codes, at::kByte, L * 2 * H * T * D * bits / 8);
   const Rows x(chunk);
   const float levels = static_cast<float>((1 << bits) - 1);
   float* kmin = k_min.data_ptr<float>();
@@ -214,15 +223,8 @@ void dequantize_row(const uint8_t* c, const float* lo, const float* step, bool p
 void kivi_decode(const at::Tensor& k_min, const at::Tensor& v_min, const at::Tensor& k_step,
                  const at::Tensor& v_step, const at::Tensor& codes, int64_t bits,
                  at::Tensor& out) {
-  check_chunk("kivi_decode", out);
-  TORCH_CHECK(bits == 8 || (bits == 4 && out.size(4) % 2 == 0),
-              "kivi_decode: bits must be 8, or 4 with an even head dim");
+  check_kivi("kivi_decode", out, k_min, v_min, k_step, v_step, codes, bits);
   const int64_t L = out.size(0), H = out.size(2), T = out.size(3), D = out.size(4);
-  check_section("kivi_decode", k_min, at::kFloat, L * H * D);
-  check_section("kivi_decode", v_min, at::kFloat, L * H * T);
-  check_section("kivi_decode", k_step, at::kHalf, L * H * D);
-  check_section("kivi_decode", v_step, at::kHalf, L * H * T);
-  check_section("kivi_decode", codes, at::kByte, L * 2 * H * T * D * bits / 8);
   const Rows y(out);
   const float* kmin = k_min.data_ptr<float>();
   const float* vmin_p = v_min.data_ptr<float>();
