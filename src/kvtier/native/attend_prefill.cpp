@@ -46,21 +46,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
-// exp(x) for the softmax (x <= 0: a score less its running max): vec.h's exp_vec with the
-// same polynomial, rounded to nearest in one instruction and scaled by 2^n with vscalefps.
-inline vfloat exp_softmax(vfloat x) {
-#ifdef __AVX512F__
-  x = vmax(x, vfloat{} - 87.3f);  // as exp_vec: no denormals
-  const __m512 t = reinterpret_cast<const __m512&>(x) * 1.44269504088896341f;
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vfloat y = exp_poly(x, reinterpret_cast<const vfloat&>(n));
-  const __m512 e = _mm512_scalef_ps(reinterpret_cast<const __m512&>(y), n);
-  return reinterpret_cast<const vfloat&>(e);
-#else
-  return exp_vec(x);
-#endif
-}
-
 // A tile of scores: RV row vectors (qt [RV][D][16]) against NK keys (rows k, k + ks, ...),
 // stored to s[key][row] (rows_total floats per key); bmax[v] takes the tile's max. from:
 // per key, the first lane that sees it (nullptr: every lane does).
@@ -178,12 +163,12 @@ void attend_block(const Item& it, const float* k, int64_t ks, const float* v, in
   const bool masked = diag >= 0 && diag + nk - 1 > p0;
   for (int64_t i = 0; i < nv; ++i) {  // online softmax, 16 rows a vector
     const vfloat m_new = vmax(it.m[i], it.bmax[i]);  // finite: key 0 comes first
-    const vfloat alpha = exp_softmax(it.m[i] - m_new);
+    const vfloat alpha = exp_vec(it.m[i] - m_new);
     vfloat sum{};
     for (int64_t j = 0; j < nk; ++j) {
       float* sp = it.s + j * rows_total + i * kLanes;
       const vfloat x = load(sp);
-      vfloat p = exp_softmax(x - m_new);
+      vfloat p = exp_vec(x - m_new);
       if (masked) p = x == kNegInf ? vfloat{} : p;  // masked keys weigh 0
       store(sp, p);
       sum += p;
