@@ -17,8 +17,13 @@ MiB = 1 << 20
 
 WRITE_POLICIES = ("write_through", "write_back")
 CODEC_NAMES = ("raw", "fp8", "int8", "int4")
-"""The chunk codecs a lower tier may store in (``kvtier.codec.CODECS``; named here so the
+"""The chunk codecs a tier may store in (``kvtier.codec.CODECS``; named here so the
 config stays free of torch). Only ``raw`` is exact; the others change tokens a little."""
+CODEC_HELP = (
+    "raw is exact; fp8/int8/int4 store 1/4 to 1/8 of the bytes and change tokens a little "
+    "(docs/benchmarks.md, bench codec)"
+)
+"""The command lines' help for a tier's ``--*-codec`` flag."""
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,20 @@ class TierConfig:
     by its kind in lookups, stats and ``KVManager.tier``.
 
     Attributes:
-        capacity_bytes: the tier's byte budget.
+        capacity_bytes: the tier's byte budget (of stored bytes: a compressed tier holds
+            more chunks in it).
         eviction_policy: registry name of the eviction policy.
+        codec: the format chunks are stored in (``kvtier.codec``): ``raw`` (exact, the
+            default), ``fp8``, ``int8`` or ``int4`` (a quarter to an eighth of the bytes, at
+            a measured cost in tokens: ``kvtier bench codec``). Encoded as chunks are
+            written in, decoded as they are read out (below host: on the link's worker); a
+            chunk stored with another codec is not read (a miss: recomputed).
     """
 
     kind: ClassVar[str] = ""
     capacity_bytes: int = 0
     eviction_policy: str = "lru"
+    codec: str = "raw"
 
     def __post_init__(self) -> None:
         check_int(f"{self.kind}.capacity_bytes", self.capacity_bytes)
@@ -64,6 +76,10 @@ class TierConfig:
             raise ValueError(
                 f"{self.kind}.eviction_policy: unknown policy {self.eviction_policy!r}; "
                 f"accepted: {sorted(EVICTION_POLICIES)}"
+            )
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(
+                f"{self.kind}.codec: unknown {self.codec!r}; accepted: {list(CODEC_NAMES)}"
             )
 
 
@@ -78,29 +94,25 @@ class LowerTierConfig(TierConfig):
             at once (each waits in a spare chunk-sized buffer); when the queue is full the
             oldest waiting write is dropped and counted (``ManagerStats.write_backs_dropped``)
             and that chunk is recomputed if it is needed again. 0: evicted chunks are dropped.
-        codec: the format chunks are stored in (``kvtier.codec``): ``raw`` (exact, the
-            default), ``fp8``, ``int8`` or ``int4`` (a quarter to an eighth of the bytes, at
-            a measured cost in tokens: ``kvtier bench codec``). Encoded as chunks are
-            written down, decoded on the link's worker as they are read up; a chunk stored
-            with another codec is not read (a miss: recomputed).
     """
 
     link: LinkConfig = field(default_factory=LinkConfig)
     write_queue_chunks: int = 4
-    codec: str = "raw"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int(f"{self.kind}.write_queue_chunks", self.write_queue_chunks)
-        if self.codec not in CODEC_NAMES:
-            raise ValueError(
-                f"{self.kind}.codec: unknown {self.codec!r}; accepted: {list(CODEC_NAMES)}"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
 class HostConfig(TierConfig):
-    """The host DRAM tier, always the first. ``pin_memory=None`` pins when CUDA is available."""
+    """The host DRAM tier, always the first. ``pin_memory=None`` pins when CUDA is available.
+
+    A lossy ``codec`` here holds 3.8x (int8) to 7x (int4) more chunks in the same DRAM and
+    moves that many fewer bytes over the device link (decoded on the link's worker into the
+    staging ring), but host attention needs float32 in place: with it, ``placement``
+    ``host`` is refused and ``auto`` streams.
+    """
 
     kind: ClassVar[str] = "host"
     capacity_bytes: int = 4 * GiB

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvtier.config import (
+    CODEC_HELP,
     CODEC_NAMES,
     PLACEMENTS,
     DiskConfig,
@@ -99,13 +100,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--link-gbps", type=float, default=None, help="throttle host->device")
     parser.add_argument("--link-latency-ms", type=float, default=0.0)
     parser.add_argument("--disk-dir", default=None, help="also keep chunks on disk here")
-    parser.add_argument(
-        "--disk-codec",
-        choices=CODEC_NAMES,
-        default="raw",
-        help="the disk tier's chunk format: raw is exact; fp8/int8/int4 are smaller and "
-        "change tokens a little",
-    )
+    for tier in ("host", "disk"):
+        parser.add_argument(
+            f"--{tier}-codec",
+            choices=CODEC_NAMES,
+            default="raw",
+            help=f"the {tier} tier's chunk format: {CODEC_HELP}",
+        )
     parser.add_argument(
         "--eviction-policy",
         choices=sorted(EVICTION_POLICIES),
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             host=HostConfig(
                 capacity_bytes=layout.kv_nbytes(2 * final_tokens + 1024),
                 eviction_policy=args.eviction_policy,
+                codec=args.host_codec,
             ),
             lower_tiers=(
                 DiskConfig(
@@ -183,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt: {ids.shape[1]} tokens, KV {layout.kv_nbytes(final_tokens) / 1e6:.0f} MB; "
         f"device budget {budget_bytes / 1e6:.0f} MB ({args.budget:.0%})"
     )
-    if args.disk_dir is not None:
-        exact = "exact" if args.disk_codec == "raw" else "lossy: tokens may differ"
-        say(f"disk tier: {args.disk_dir}, chunks stored as {args.disk_codec} ({exact})")
+    for tier, codec in (("host", args.host_codec), ("disk", args.disk_codec)):
+        if tier == "host" or args.disk_dir is not None:
+            exact = "exact" if codec == "raw" else "lossy: tokens may differ"
+            say(f"{tier} tier: chunks stored as {codec} ({exact})")
     say("turn 1, baseline: all-resident transformers DynamicCache (one prefill call)…")
     baseline = run_baseline(model, ids, args.max_new_tokens, tokenizer)
     say("turn 1, kvtier: TieredCache…")

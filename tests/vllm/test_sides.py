@@ -62,7 +62,8 @@ def test_extra_config_maps_onto_the_tier_stack() -> None:
     config = manager_config(
         {"host_mb": 64, "disk_dir": "/tmp/kv", "disk_mb": 128, "remote": "redis://h:1",
          "remote_ttl_s": 0, "salt": "t1", "write_policy": "write_through",
-         "disk_codec": "int8", "remote_codec": "fp8", "eviction_policy": "s3fifo+prefix"}
+         "disk_codec": "int8", "remote_codec": "fp8", "eviction_policy": "s3fifo+prefix",
+         "host_codec": "int4"}
     )  # fmt: skip
     assert config.host.capacity_bytes == 64 << 20 and config.tenant_salt == "t1"
     disk, remote = config.lower_tiers
@@ -70,10 +71,11 @@ def test_extra_config_maps_onto_the_tier_stack() -> None:
     assert disk.capacity_bytes == 128 << 20
     assert isinstance(remote, RemoteConfig) and remote.ttl_s is None
     assert config.write_policy == "write_through" and manager_config(None).lower_tiers == ()
-    assert (disk.codec, remote.codec) == ("int8", "fp8")
+    assert (config.host.codec, disk.codec, remote.codec) == ("int4", "int8", "fp8")
     assert config.host.eviction_policy == disk.eviction_policy == "s3fifo+prefix"
     plain = manager_config({"disk_dir": "/tmp/kv"})
     assert (plain.lower_tiers[0].codec, plain.host.eviction_policy) == ("raw", "lru")
+    assert plain.host.codec == "raw"
 
 
 @pytest.mark.parametrize(

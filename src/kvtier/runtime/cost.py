@@ -65,18 +65,27 @@ def choose_hosted(
 
 
 def hosted_counter(
-    config: TieredCacheConfig, layout: KVLayout, groups: Sequence[LayerGroup]
+    config: TieredCacheConfig,
+    layout: KVLayout,
+    groups: Sequence[LayerGroup],
+    host_codec: str = "raw",
 ) -> Callable[[int, int], int] | None:
     """``(group, chunks) -> how many to attend on the host`` for ``config.placement``; None
     for ``stream`` (all stream). The ``auto`` answer depends only on its arguments, so it
     is computed once per (group, chunks) and kept; a ``config.link`` throttle caps the
-    link rate it assumes (``predict_s``'s ``throttle_gbps``).
+    link rate it assumes (``predict_s``'s ``throttle_gbps``). A host pool stored in a
+    lossy ``host_codec`` cannot be attended in place: ``auto`` then streams everything.
 
     Raises:
         ValueError: ``auto`` without ``config.rates`` (``kvtier.calibrate.resolve_rates``
-            fills them from a profile first).
+            fills them from a profile first); ``host`` over a host pool in a lossy codec.
     """
-    if config.placement == "stream":
+    if config.placement == "host" and host_codec != "raw":
+        raise ValueError(
+            f"placement 'host' attends the host pool in place, which needs host codec 'raw' "
+            f"(got {host_codec!r}); use placement 'stream' or 'auto'"
+        )
+    if config.placement == "stream" or host_codec != "raw":
         return None
     if config.placement == "host":
         return lambda group, chunks: chunks

@@ -89,7 +89,7 @@ class SequenceKV:
         self.pages_tier: str | None = None  # the tier the last reuse's pages came from
         self.sealed_chunks = 0
         self.peak_device_nbytes = 0
-        self._hosted_count = hosted_counter(config, self.layout, self.groups)
+        self._hosted_count = hosted_counter(config, self.layout, self.groups, self.host.codec.name)
         self.ledger = Ledger(
             [g.layout(self.layout).chunk_nbytes for g in self.groups],
             config.rates,

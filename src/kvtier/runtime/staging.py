@@ -6,7 +6,8 @@ resident on the device. Those slices are cut into *pieces* (one layer, up to
 on the device, ``lookahead`` pieces ahead of the layer being computed. A piece's slot is
 reused as soon as its attention has been computed (``release``), so device memory for
 streaming is a fixed allowance, ``ring_slots × piece_chunks × layer_nbytes``, whatever the
-context length.
+context length. A coded host pool (``HostConfig.codec``) sends its encoded bytes, decoded
+into the ring on the link's worker.
 
 Thread-safety: a ``StagingRing`` is driven by the one thread running the forward pass; the
 copies run on the link's worker.
@@ -170,16 +171,15 @@ class StagingRing:
     def _submit(self, index: int) -> None:
         piece = self._pieces[index]
         target = self.stage[index % self.ring_slots]
-        pool = self.host.pool
-        layer = piece.layer_idx
-        cuda = self._cuda
+        host, layer = self.host, piece.layer_idx
 
         def copy() -> None:
             for j, slot in enumerate(piece.host_slots):
-                # [2, H, T, D] of one chunk's layer, into position j of the ring slot.
-                target[:, :, j].copy_(pool[slot, layer], non_blocking=cuda)
+                # [2, H, T, D] of one chunk's layer, into position j of the ring slot
+                # (decoded here, on the link's worker, when the host pool is coded).
+                host.layer_into(slot, layer, target[:, :, j])
 
-        nbytes = len(piece.host_slots) * self.layout.layer_nbytes
+        nbytes = len(piece.host_slots) * host.layer_stored_nbytes  # what crosses the link
         self.host.count_reads(0, nbytes)
         self._handles[index] = self.link.submit([CopyStep(nbytes, range(0, 1), copy)], 1)
         self._next_submit = max(self._next_submit, index + 1)

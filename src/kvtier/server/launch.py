@@ -21,6 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvtier.config import (
+    CODEC_HELP,
     CODEC_NAMES,
     PLACEMENTS,
     WRITE_POLICIES,
@@ -124,13 +125,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-mb", type=int, default=1024, help="host DRAM tier size")
     parser.add_argument("--disk-dir", default=None, help="keep KV on disk here (survives restarts)")
     parser.add_argument("--disk-mb", type=int, default=32 * 1024, help="disk tier size")
-    parser.add_argument(
-        "--disk-codec",
-        choices=CODEC_NAMES,
-        default="raw",
-        help="the disk tier's chunk format: raw is exact; fp8/int8/int4 store 1/4 to 1/8 of "
-        "the bytes and change tokens a little (docs/benchmarks.md, bench codec)",
-    )
+    for tier in ("host", "disk", "remote"):
+        parser.add_argument(
+            f"--{tier}-codec",
+            choices=CODEC_NAMES,
+            default="raw",
+            help=f"the {tier} tier's chunk format: {CODEC_HELP}",
+        )
     parser.add_argument(
         "--remote",
         default=None,
@@ -150,13 +151,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=64 * 1024,
         help="the most this instance keeps in the shared tier (its least recently used "
         "values are deleted past it)",
-    )
-    parser.add_argument(
-        "--remote-codec",
-        choices=CODEC_NAMES,
-        default="raw",
-        help="the shared tier's chunk format (as --disk-codec); instances reuse each other's "
-        "KV only in the same codec",
     )
     parser.add_argument(
         "--remote-timeout-s",
@@ -224,7 +218,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             chunk_tokens=args.chunk_tokens,
             write_policy=args.write_policy,
             host=HostConfig(
-                capacity_bytes=args.host_mb * MiB, eviction_policy=args.eviction_policy
+                capacity_bytes=args.host_mb * MiB,
+                eviction_policy=args.eviction_policy,
+                codec=args.host_codec,
             ),
             lower_tiers=lower_tiers(args),
         ),

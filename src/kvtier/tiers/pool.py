@@ -4,10 +4,17 @@ The same class backs the device tier (GPU memory on CUDA, a RAM budget on a CPU-
 machine) and the host tier (DRAM, pinned when CUDA is available). The pool is allocated
 once and touched at start, because first touch of fresh memory is far slower than a copy
 into touched memory (0.41 vs 5 GB/s measured here, DESIGN §8).
+
+A host pool may store its chunks compressed (``codec``, ``HostConfig.codec``): each slot is
+then the chunk's layers encoded one after another, ``[L, layer_stored_nbytes]`` of
+``uint8``, so the staging ring decodes one layer of a chunk on the link's worker
+(``layer_into``) and only the encoded bytes cross the link. Such a pool cannot be read in
+place as float32: ``slot_data`` refuses, ``view`` returns a decoded copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 
 import torch
@@ -37,6 +44,8 @@ class PoolTier(Tier):
         storage: a tensor of exactly the pool's shape, dtype and device to hold the slots
             (the caller owns it and has touched it; ``kvtier.runtime.seats``); None
             allocates and touches one.
+        codec: registry name of the codec slots are stored in (``raw``: the chunk's own
+            dtype, readable in place; any other: encoded layer by layer, slot-major only).
     """
 
     def __init__(
@@ -49,31 +58,40 @@ class PoolTier(Tier):
         eviction_policy: str = "lru",
         layer_major: bool = False,
         storage: torch.Tensor | None = None,
+        codec: str = "raw",
     ) -> None:
-        super().__init__(name, layout, capacity_bytes, eviction_policy)
+        super().__init__(name, layout, capacity_bytes, eviction_policy, codec)
         self.device = torch.device(device)
         self.layer_major = layer_major
+        self.coded = not self.codec.exact
         num_layers, two, heads, tokens, dim = layout.chunk_shape
-        shape = (
-            (num_layers, two, heads, self.num_slots, tokens, dim)
-            if layer_major
-            else (self.num_slots, num_layers, two, heads, tokens, dim)
-        )
+        self.layer_stored_nbytes = self.stored_chunk_nbytes // num_layers
+        shape: tuple[int, ...]
+        dtype = torch.uint8 if self.coded else layout.dtype
+        if self.coded:
+            if layer_major or storage is not None:
+                raise ValueError(f"{name}: a {self.codec.name} pool is slot-major and its own")
+            one_layer = dataclasses.replace(layout, num_layers=1)
+            if self.codec.encoded_nbytes(one_layer) != self.layer_stored_nbytes:
+                raise ValueError(f"{name}: codec {self.codec.name} does not split by layer")
+            shape = (self.num_slots, num_layers, self.layer_stored_nbytes)
+        elif layer_major:
+            shape = (num_layers, two, heads, self.num_slots, tokens, dim)
+        else:
+            shape = (self.num_slots, num_layers, two, heads, tokens, dim)
         if storage is not None:
             if (
                 tuple(storage.shape) != shape
-                or storage.dtype != layout.dtype
+                or storage.dtype != dtype
                 or storage.device != self.device
             ):
                 raise ValueError(
                     f"{name}: storage {tuple(storage.shape)} {storage.dtype} on "
-                    f"{storage.device} is not the pool's {shape} {layout.dtype} on {self.device}"
+                    f"{storage.device} is not the pool's {shape} {dtype} on {self.device}"
                 )
             self.pool = storage
         else:
-            self.pool = torch.empty(
-                shape, dtype=layout.dtype, device=self.device, pin_memory=pin_memory
-            )
+            self.pool = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
             self.pool.zero_()  # pre-fault every page now, not on the first put
         self._free: list[int] = list(range(self.num_slots))  # a min-heap
 
@@ -86,20 +104,70 @@ class PoolTier(Tier):
         heapq.heappush(self._free, slot)
 
     def slot_data(self, slot: int) -> torch.Tensor:
-        """Slot ``slot`` as a chunk-shaped view ``[L, 2, H, T, D]`` (strided if layer-major)."""
+        """Slot ``slot`` as a chunk-shaped view ``[L, 2, H, T, D]`` (strided if layer-major).
+
+        Raises:
+            ValueError: the pool is coded (its slots are not float32 to read in place).
+        """
+        if self.coded:
+            raise ValueError(
+                f"{self.name}: a {self.codec.name} pool holds encoded bytes; it cannot be "
+                "read in place (use layer_into or view)"
+            )
         return self.pool[:, :, :, slot] if self.layer_major else self.pool[slot]
 
+    def layer_into(self, slot: int, layer_idx: int, out: torch.Tensor) -> None:
+        """Copy (raw) or decode (coded) layer ``layer_idx`` of slot ``slot`` into ``out``
+        (``[2, H, T, D]``, the layout's dtype, any strides with the last one 1, any device).
+
+        Writes ``out`` only. The caller holds a pin on the chunk; thread-safe otherwise (a
+        link worker calls it). A CUDA ``out`` of a raw pool is filled without a sync.
+        """
+        cuda = out.device.type == "cuda"
+        if not self.coded:
+            out.copy_(self.slot_data(slot)[layer_idx], non_blocking=cuda)
+            return
+        encoded = self.pool[slot, layer_idx]
+        if encoded.device != out.device:
+            encoded = encoded.to(out.device, non_blocking=cuda)
+        self.codec.decode_into(encoded, out.unsqueeze(0))
+
     def _write_slot(self, slot: int, chunk: Chunk) -> None:
-        self.slot_data(slot).copy_(chunk.data, non_blocking=self.device.type == "cuda")
-        if self.device.type == "cuda" or chunk.data.device.type == "cuda":
+        cuda = self.device.type == "cuda" or chunk.data.device.type == "cuda"
+        if self.coded:
+            data = chunk.data
+            encoded = self.pool[slot]
+            if data.device != encoded.device:  # encode where the data is, move the bytes
+                encoded = torch.empty_like(encoded, device=data.device)
+            for layer in range(self.layout.num_layers):
+                self.codec.encode_into(data[layer : layer + 1], encoded[layer])
+            if encoded.data_ptr() != self.pool[slot].data_ptr():
+                self.pool[slot].copy_(encoded)
+        else:
+            self.slot_data(slot).copy_(chunk.data, non_blocking=self.device.type == "cuda")
+        if cuda:
             torch.cuda.current_stream().synchronize()
 
     def _read_slot(self, slot: int, ref: ChunkRef, out: torch.Tensor) -> bool:
-        out.copy_(self.slot_data(slot))
+        if self.coded:
+            self._decode_slot(slot, out)
+        else:
+            out.copy_(self.slot_data(slot))
         return True
 
+    def _decode_slot(self, slot: int, out: torch.Tensor) -> torch.Tensor:
+        """Decode every layer of coded slot ``slot`` into ``out`` (chunk-shaped); returns it."""
+        for layer in range(self.layout.num_layers):
+            self.layer_into(slot, layer, out[layer])
+        return out
+
+    def _decoded(self, slot: int) -> torch.Tensor:
+        """A new chunk-shaped tensor holding coded slot ``slot`` decoded (the caller owns it)."""
+        out = torch.empty(self.layout.chunk_shape, dtype=self.layout.dtype)
+        return self._decode_slot(slot, out)
+
     def _victim_data(self, slot: int) -> torch.Tensor:
-        return self.slot_data(slot)
+        return self._decoded(slot) if self.coded else self.slot_data(slot)
 
     def slot_of(self, ref: ChunkRef) -> int | None:
         """The slot index of a held chunk (None if not held); stable while it is pinned."""
@@ -118,7 +186,8 @@ class PoolTier(Tier):
         return self.pool[layer_idx, 0], self.pool[layer_idx, 1]
 
     def view(self, ref: ChunkRef) -> torch.Tensor | None:
-        """The slot of a held chunk, without a copy; None if not held.
+        """The slot of a held chunk, without a copy (a coded pool: decoded into a new
+        tensor); None if not held.
 
         The view is valid only while the caller holds a pin on the chunk (``pin``/``unpin``);
         it must not be written to.
@@ -128,7 +197,10 @@ class PoolTier(Tier):
             if entry is None:
                 return None
             self._index.policy.touch(ref.key)
-            return self.slot_data(entry.slot)
+            slot = entry.slot
+            if not self.coded:
+                return self.slot_data(slot)
+        return self._decoded(slot)  # outside the lock: the caller's pin holds the slot
 
 
 def device_tier(
@@ -161,8 +233,10 @@ def host_tier(
     capacity_bytes: int,
     pin_memory: bool | None = None,
     eviction_policy: str = "lru",
+    codec: str = "raw",
 ) -> PoolTier:
-    """The host tier: a DRAM pool, page-locked when CUDA is available (unless told)."""
+    """The host tier: a DRAM pool, page-locked when CUDA is available (unless told), its
+    chunks stored in ``codec``."""
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return PoolTier(
@@ -172,4 +246,5 @@ def host_tier(
         "cpu",
         pin_memory=pin_memory,
         eviction_policy=eviction_policy,
+        codec=codec,
     )

@@ -37,7 +37,9 @@ class TierKind(Generic[ConfigT]):
 
 
 def _build_host(config: HostConfig, layout: KVLayout) -> Tier:
-    return host_tier(layout, config.capacity_bytes, config.pin_memory, config.eviction_policy)
+    return host_tier(
+        layout, config.capacity_bytes, config.pin_memory, config.eviction_policy, config.codec
+    )
 
 
 def _build_disk(config: DiskConfig, layout: KVLayout) -> Tier:

@@ -15,9 +15,10 @@ The keys a vLLM user sets, with kvtier serve's flag of the same meaning::
     write_policy      --write-policy      write_back   write_through: down on seal
     chunk_tokens      --chunk-tokens      256          tokens per chunk (a multiple of
                                                        vLLM's block size)
-    disk_codec        --disk-codec        raw          the disk tier's chunk format: raw
+    host_codec        --host-codec        raw          the host tier's chunk format: raw
                                                        (exact), fp8, int8, int4
-    remote_codec      --remote-codec      raw          the shared tier's (as disk_codec)
+    disk_codec        --disk-codec        raw          the disk tier's (as host_codec)
+    remote_codec      --remote-codec      raw          the shared tier's (as host_codec)
     eviction_policy   --eviction-policy   lru          host and disk: lru, fifo, s3fifo,
                                                        arc, each also +prefix
 
@@ -56,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "salt": "",
     "write_policy": "write_back",
     "chunk_tokens": 256,
+    "host_codec": "raw",
     "disk_codec": "raw",
     "remote_codec": "raw",
     "eviction_policy": "lru",
@@ -96,6 +98,7 @@ def manager_config(extra: Mapping[str, Any] | None) -> ManagerConfig:
     _text(values, "salt", False)
     for key, accepted in (
         ("write_policy", list(WRITE_POLICIES)),
+        ("host_codec", list(CODEC_NAMES)),
         ("disk_codec", list(CODEC_NAMES)),
         ("remote_codec", list(CODEC_NAMES)),
         ("eviction_policy", sorted(EVICTION_POLICIES)),
@@ -108,7 +111,9 @@ def manager_config(extra: Mapping[str, Any] | None) -> ManagerConfig:
             write_policy=values["write_policy"],
             tenant_salt=values["salt"],
             host=HostConfig(
-                capacity_bytes=values["host_mb"] * MiB, eviction_policy=values["eviction_policy"]
+                capacity_bytes=values["host_mb"] * MiB,
+                eviction_policy=values["eviction_policy"],
+                codec=values["host_codec"],
             ),
             lower_tiers=lower_tiers_of(
                 values["disk_dir"],
