@@ -320,12 +320,14 @@ def decode_dynamic(work: Workload, prefilled: DynamicCache | None) -> DecodeRun:
     return clock.run(out, ids.shape[1])
 
 
-def new_manager(work: Workload) -> KVManager:
-    """A host tier holding the whole context (the KV every kvtier case streams from)."""
+def new_manager(work: Workload, host_codec: str = "raw") -> KVManager:
+    """A host tier holding the whole context (the KV every kvtier case streams from), its
+    chunks stored in ``host_codec``."""
     layout = work.layout
     host_nbytes = work.final_kv_nbytes + 4 * layout.chunk_nbytes
     config = ManagerConfig(
-        chunk_tokens=layout.chunk_tokens, host=HostConfig(capacity_bytes=host_nbytes)
+        chunk_tokens=layout.chunk_tokens,
+        host=HostConfig(capacity_bytes=host_nbytes, codec=host_codec),
     )
     return KVManager(layout, work.bench.model_id, config)
 
