@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtier import native
+from kvtier.codec import get_codec
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner, ModelRunner, make_runner
@@ -151,3 +152,32 @@ def test_the_engine_picks_the_runner_by_architecture(tokenizer: Any) -> None:
         make_runner(llama, device, "fast")
     with pytest.raises(ValueError, match="runner: unknown 'fast'"):
         EngineConfig(runner="fast")
+
+
+def test_an_int8_host_streams_encoded_bytes_and_serves_the_next_turn(tokenizer: Any) -> None:
+    """The engine over a host tier in int8: chunks past a 3-chunk budget stream from it as
+    int8 (a quarter of the link bytes of a raw host, plus scales), and the same prompt again
+    adopts its chunks from it, decoded. Tokens are the codec's (``bench codec`` measures
+    them), so this checks the path, not token equality."""
+    model = family_model("llama (head dim 64)", tokenizer)
+    base = engine_config()
+    layout = KVLayout.from_model_config(model.config, torch.float32, CHUNK)
+    link_bytes: dict[str, int] = {}
+    long_prompt = list(range(300, 450))
+    for codec in ("raw", "int8"):
+        cache = dataclasses.replace(base.cache, device_budget_bytes=3 * layout.chunk_nbytes)
+        host = dataclasses.replace(base.manager.host, codec=codec)
+        manager = dataclasses.replace(base.manager, host=host)
+        config = dataclasses.replace(base, runner="kvtier", cache=cache, manager=manager)
+        with Engine(model, tokenizer, config) as engine:
+            first = engine.submit(long_prompt, GREEDY).result()
+            again = engine.submit(long_prompt, GREEDY).result()
+            stats = engine.stats()
+        assert len(first.token_ids) == len(again.token_ids) == 12
+        assert stats.cache.decided_chunks.get("stream", 0) > 0
+        assert again.reused_tokens >= 8 * CHUNK and stats.reused_tokens_by_tier["host"] > 0
+        link_bytes[codec] = stats.cache.link.bytes
+        if codec == "raw":
+            assert first.token_ids == reference_tokens(model, long_prompt, 12)
+    stored = get_codec("int8").encoded_nbytes(layout) / layout.chunk_nbytes
+    assert link_bytes["int8"] == pytest.approx(stored * link_bytes["raw"], rel=0.05)

@@ -134,15 +134,15 @@ def test_serve_eviction_policy_flag_reaches_host_and_disk() -> None:
         parse_args(["--eviction-policy", "lfu"])
 
 
-def test_serve_codec_flags_reach_disk_and_the_shared_tier() -> None:
+def test_serve_codec_flags_reach_host_disk_and_the_shared_tier() -> None:
     from kvtier.server.launch import engine_config as serve_engine_config
     from kvtier.server.launch import parse_args
 
-    flags = ["--disk-dir", "/tmp/kv", "--disk-codec", "int8"]
+    flags = ["--disk-dir", "/tmp/kv", "--disk-codec", "int8", "--host-codec", "fp8"]
     flags += ["--remote", "redis://10.0.0.2:7000", "--remote-codec", "int4"]
     manager = serve_engine_config(parse_args(flags)).manager
-    assert [t.codec for t in manager.lower_tiers] == ["int8", "int4"]
+    assert [t.codec for t in (manager.host, *manager.lower_tiers)] == ["fp8", "int8", "int4"]
     plain = serve_engine_config(parse_args(["--disk-dir", "/tmp/kv"])).manager
-    assert [t.codec for t in plain.lower_tiers] == ["raw"]  # exact unless chosen
+    assert [t.codec for t in (plain.host, *plain.lower_tiers)] == ["raw", "raw"]  # exact
     with pytest.raises(SystemExit):
         parse_args(["--disk-codec", "int2"])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.codec import get_codec
 from kvtier.config import DiskConfig, HostConfig, LinkConfig, ManagerConfig, RemoteConfig
 from kvtier.kv import Chunk, KVLayout
 from kvtier.manager import KVManager
@@ -43,13 +44,15 @@ def token_kv(layer: torch.Tensor, block: int, slot: int) -> tuple[torch.Tensor, 
     return view[block, :, slot], view[block, :, BLOCK + slot]
 
 
-def manager(tmp_path: Path | None = None, host_chunks: int = 8) -> KVManager:
+def manager(
+    tmp_path: Path | None = None, host_chunks: int = 8, host_codec: str = "raw"
+) -> KVManager:
     lower = ()
     if tmp_path is not None:
         lower = (DiskConfig(path=str(tmp_path), capacity_bytes=64 * LAYOUT.chunk_nbytes),)
     config = ManagerConfig(
         chunk_tokens=LAYOUT.chunk_tokens,
-        host=HostConfig(capacity_bytes=host_chunks * LAYOUT.chunk_nbytes),
+        host=HostConfig(capacity_bytes=host_chunks * LAYOUT.chunk_nbytes, codec=host_codec),
         lower_tiers=lower,
     )
     return KVManager(LAYOUT, "vllm-test", config)
@@ -238,6 +241,41 @@ def test_saved_chunks_load_into_other_blocks_bit_exact(tmp_path: Path) -> None:
         loader.finish_step()
         assert loader.take_failed_blocks() == {1, 3, 4, 6}
         assert m.stats().recomputed_chunks_by_cause["missing"] == 1
+
+
+def test_blocks_saved_through_an_int8_host_load_as_its_round_trip() -> None:
+    """A coded host: what vLLM gets back is the codec's round trip of what it saved."""
+    layers = kv_layers(8, seed=3)
+    ids = list(range(700, 732))  # two chunks
+    with manager(host_codec="int8") as m:
+        paged = PagedLayout(LAYOUT, BLOCK)
+        side = SchedulerSide(m.hasher, lambda t, s: m.lookup(t, s).tiers, BLOCK, True, True)
+        worker = WorkerSide(m, paged)
+        worker.register(layers)
+        side.after_alloc(request("a", ids), [7, 2, 5, 0], 0)
+        worker.save(side.build(step([("a", [7, 2, 5, 0], 0, 32)])).saves)
+        saved = [torch.empty(LAYOUT.chunk_shape) for _ in range(2)]
+        for blocks, out in zip([[7, 2], [5, 0]], saved, strict=True):
+            gather_chunk(paged, list(layers.values()), torch.tensor(blocks), out)
+        target = {n: torch.zeros_like(t) for n, t in kv_layers(8).items()}
+        loader = WorkerSide(m, paged)
+        loader.register(target)
+        again = request("b", [*ids, 9])
+        assert side.matched_tokens(again, 0) == 32
+        side.after_alloc(again, [1, 3, 4, 6, 2], 32)
+        (load,) = side.build(step([("b", [1, 3, 4, 6, 2], 32, 1)])).loads
+        loader.start_load([load])
+        for name in target:
+            loader.wait_layer(name)
+        assert loader.take_failed_blocks() == set() and loader.loaded_chunks == 2
+        codec = get_codec("int8")
+        got = [torch.empty(LAYOUT.chunk_shape) for _ in range(2)]
+        for blocks, out in zip([[1, 3], [4, 6]], got, strict=True):
+            gather_chunk(paged, list(target.values()), torch.tensor(blocks), out)
+        for want, have in zip(saved, got, strict=True):
+            expected = torch.empty_like(want)
+            codec.decode_into(codec.encode(want, LAYOUT), expected)
+            assert torch.equal(have, expected) and not torch.equal(have, want)
 
 
 @pytest.mark.parametrize("sized", [False, True])
