@@ -21,11 +21,14 @@ from kvbench.vllm_env import MAX_MODEL_LEN, venv_python
 from kvbench.vllm_offline import MAX_BATCHED_TOKENS, MAX_NUM_SEQS, vllm_env
 
 
-def vllm_server(venv: Path, folder: Path, threads: int, kv_gib: int, workdir: Path) -> HttpServer:
-    """``vllm serve`` as the facts file starts it (the console script is broken)."""
+def vllm_server(
+    venv: Path, folder: Path, threads: int, kv_gib: int, workdir: Path, dtype: str = "float32"
+) -> HttpServer:
+    """``vllm serve`` as the facts file starts it (the console script is broken), its
+    weights, activations and KV in ``dtype``."""
     port = free_port()
     command = [str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server"]
-    command += ["--model", str(folder), "--served-model-name", MODEL_NAME, "--dtype", "float32"]
+    command += ["--model", str(folder), "--served-model-name", MODEL_NAME, "--dtype", dtype]
     command += ["--enable-prefix-caching", "--max-model-len", str(MAX_MODEL_LEN)]
     command += ["--max-num-seqs", str(MAX_NUM_SEQS)]
     command += ["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]

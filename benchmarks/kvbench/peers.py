@@ -175,7 +175,7 @@ each, interleaved): 20.7/21.6 s, against 22.7/24.5 at one chunk (256), 23.8/24.3
 and 24.4/27.5 at 8,192."""
 
 
-def kvtier_engine_config(kv_gib: float) -> Any:
+def kvtier_engine_config(kv_gib: float, bf16: bool = False) -> Any:
     from kvbench.setup import engine_config
     from kvtier.config import MiB
 
@@ -186,6 +186,7 @@ def kvtier_engine_config(kv_gib: float) -> Any:
         256,
         max_queued=256,
         prefill_tokens_per_step=KVTIER_PREFILL_TOKENS,
+        matmul_dtype="bfloat16" if bf16 else None,
     )
 
 
@@ -207,11 +208,16 @@ def host_mb(kv_gib: float) -> int:
     return int(kv_gib * 1024) - SEQUENCES * device_mb(kv_gib)
 
 
-def kvtier_flags(kv_gib: float) -> list[str]:
+def vllm_dtype(args: argparse.Namespace) -> str:
+    return "bfloat16" if args.bf16 else "float32"
+
+
+def kvtier_flags(kv_gib: float, bf16: bool = False) -> list[str]:
     return [
         *("--max-batch-size", "16", "--max-queued", "256", "--chunk-tokens", "256"),
         *("--prefill-tokens-per-step", str(KVTIER_PREFILL_TOKENS)),
         *("--device-budget-mb", str(device_mb(kv_gib)), "--host-mb", str(host_mb(kv_gib))),
+        *(("--matmul-dtype", "bfloat16") if bf16 else ()),
     ]
 
 
@@ -223,8 +229,8 @@ def run_servers(
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """The server workloads, interleaved; (cases, start-up seconds by system)."""
     servers: dict[str, HttpServer] = {
-        "kvtier": kvtier_server(kvtier_flags(args.kv_gib), threads, workdir),
-        "vllm": vllm_server(venv, folder, threads, int(args.kv_gib), workdir),
+        "kvtier": kvtier_server(kvtier_flags(args.kv_gib, args.bf16), threads, workdir),
+        "vllm": vllm_server(venv, folder, threads, int(args.kv_gib), workdir, vllm_dtype(args)),
     }
     cases: dict[str, dict[str, list[dict[str, Any]]]] = {
         w: {s: [] for s in SYSTEMS} for w in ("serve", "long", "short")
@@ -270,9 +276,10 @@ def run_offline(
     torch.set_num_threads(threads)
     cases: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     same = total = 0
-    worker = OfflineWorker(venv, folder, threads, int(args.kv_gib), workdir)
+    kv_gib = int(args.kv_gib)
+    worker = OfflineWorker(venv, folder, threads, kv_gib, workdir, dtype=vllm_dtype(args))
     try:
-        with LLM(config=kvtier_engine_config(args.kv_gib)) as llm:
+        with LLM(config=kvtier_engine_config(args.kv_gib, args.bf16)) as llm:
             params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
             warm = [random_ids(32, args.seed, 98, i) for i in range(2)]
             worker.run(warm, 4)
@@ -298,7 +305,8 @@ def run_offline(
 def run_threads(
     args: argparse.Namespace, threads: int, venv: Path, folder: Path, workdir: Path
 ) -> dict[str, Any]:
-    weight_nbytes = safetensors_nbytes(folder / "model.safetensors")
+    # the weights a batch-1 step reads: bf16 copies under --bf16 (both systems)
+    weight_nbytes = safetensors_nbytes(folder / "model.safetensors") // (2 if args.bf16 else 1)
     gbps = read_gbps(args.bandwidth_mb << 20, threads)
     bound_ms = weight_nbytes / (gbps * 1e9) * 1e3
     print(f"[{threads} threads] read {gbps:.1f} GB/s: batch-1 bound {bound_ms:.1f} ms/token")
@@ -369,6 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--start-timeout-s", type=float, default=600.0, help="per server start")
     add("--timeout-s", type=float, default=900.0, help="per request / client run")
     add("--dir", type=Path, default=None, help="where the logs go (kept on failure)")
+    add("--bf16", action="store_true", help="each system's bfloat16 mode: vLLM --dtype "
+        "bfloat16, kvtier --matmul-dtype bfloat16 (tokens then differ; counted)")  # fmt: skip
     args = parser.parse(argv)
     if args.kv_gib < 1 or args.kv_gib != int(args.kv_gib):
         raise ValueError(
@@ -422,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_tokens": args.decode_tokens,
             "kvtier_serve_flags": kvtier_flags(args.kv_gib),
             "decode_ms": "streaming completion: (stream end - first token) / (tokens - 1)",
+            "dtype": "vLLM bfloat16, kvtier projections in bfloat16" if args.bf16 else "float32",
             "kvtier_commit": kvtier_commit(),
             "venv": str(venv),
             "vllm_folder": str(folder),

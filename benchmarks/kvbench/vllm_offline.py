@@ -37,7 +37,7 @@ def main():
     if config["transfer"] is not None:
         from vllm.config import KVTransferConfig
         extra["kv_transfer_config"] = KVTransferConfig(**config["transfer"])
-    llm = LLM(model=config["folder"], dtype="float32", enable_prefix_caching=True,
+    llm = LLM(model=config["folder"], dtype=config["dtype"], enable_prefix_caching=True,
               max_model_len=config["max_model_len"], max_num_seqs=config["max_num_seqs"],
               max_num_batched_tokens=config["max_batched_tokens"], seed=0,
               enforce_eager=config["eager"], **extra)
@@ -125,6 +125,7 @@ class OfflineWorker:
         env: more environment (a connector's own settings).
         eager: skip vLLM's compilation (a faster start; both arms of a comparison alike).
         label: names the worker in progress lines and its log file.
+        dtype: vLLM's ``dtype`` (weights, activations and KV).
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class OfflineWorker:
         env: dict[str, str] | None = None,
         eager: bool = False,
         label: str = "offline",
+        dtype: str = "float32",
     ) -> None:
         script = workdir / "vllm_offline_worker.py"
         script.write_text(_WORKER)
@@ -148,6 +150,7 @@ class OfflineWorker:
             "max_batched_tokens": MAX_BATCHED_TOKENS,
             "transfer": transfer,
             "eager": eager,
+            "dtype": dtype,
         }
         self.log_path = workdir / f"vllm-{label}-t{threads}.log"
         self._log = self.log_path.open("wb")

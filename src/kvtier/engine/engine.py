@@ -45,6 +45,7 @@ from kvtier.engine.scheduler import BatchScheduler
 from kvtier.engine.stats import EngineStats
 from kvtier.engine.work import WorkModel
 from kvtier.hf import attach, model_spec
+from kvtier.kv.layout import DTYPES
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
 from kvtier.profiles import resolve_rates
@@ -149,7 +150,8 @@ class Engine:
                 (slab, seat) if slab is not None else None,
             )
 
-        self.runner = make_runner(model, self.device, self.config.runner)
+        low = None if self.config.matmul_dtype is None else DTYPES[self.config.matmul_dtype]
+        self.runner = make_runner(model, self.device, self.config.runner, low)
         log.info("model runner: %s", self.runner.name)
         self._scheduler = BatchScheduler(  # reserves the caches (the device budget)
             self.runner,

@@ -44,9 +44,16 @@ class Linear:
     pack: torch.Tensor | None
     kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
     rows_max: int = ROWS_KERNEL_MAX
+    matmul_dtype: torch.dtype | None = None
+    """Set (``bfloat16``): ``pack`` and ``bias`` hold the weight in that dtype, and a call
+    rounds ``x`` to it, multiplies with float32 accumulation, and returns ``x``'s dtype."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` → ``[N, out]``."""
+        if self.matmul_dtype is not None and self.pack is not None:
+            low = x.to(self.matmul_dtype)
+            out = torch.ops.mkldnn._linear_pointwise(low, self.pack, self.bias, "none", [], "")
+            return out.to(x.dtype)
         if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
             return self.kernels.linear_rows(x, self.weight, self.bias)
         if self.pack is not None:
@@ -105,8 +112,24 @@ _PACK_ROWS = 16
 from 1 to 1,024 rows)."""
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, ops: Any | None) -> Linear:
-    """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None."""
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ops: Any | None,
+    matmul_dtype: torch.dtype | None = None,
+) -> Linear:
+    """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None.
+
+    ``matmul_dtype`` (``bfloat16``): multiply in that dtype on oneDNN (weight and input
+    rounded to it, float32 accumulation; half the weight bytes, twice the FMA rate where the
+    CPU has AVX-512 BF16), falling back to the plain projection where oneDNN cannot pack.
+    """
+    if matmul_dtype is not None and matmul_dtype != weight.dtype:
+        low = weight.detach().to(matmul_dtype)
+        pack = _onednn_pack(low)
+        if pack is not None:
+            low_bias = None if bias is None else bias.detach().to(matmul_dtype)
+            return Linear(None, low_bias, pack, matmul_dtype=matmul_dtype)
     pack = _onednn_pack(weight)
     in_features = weight.shape[1]
     fits = in_features % 16 == 0  # linear_rows' shape rule

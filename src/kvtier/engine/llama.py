@@ -73,12 +73,16 @@ class LlamaModel:
 
     Args:
         model: a loaded ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3) in eval mode.
+        matmul_dtype: None multiplies in the weights' dtype (exact against transformers);
+            ``bfloat16`` runs every projection in bf16 on oneDNN (float32 accumulation;
+            everything else, the KV included, stays in the model's dtype): faster, and the
+            tokens drift from transformers' (``kvtier bench peers --matmul-dtype``).
 
     Raises:
         ValueError: the model does not have the shape (``supports`` says why not).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, matmul_dtype: torch.dtype | None = None) -> None:
         reason = self.why_not(model)
         if reason is not None:
             raise ValueError(f"{model.config.model_type}: {reason}")
@@ -96,7 +100,8 @@ class LlamaModel:
         cpu32 = weight.is_cpu and weight.dtype == torch.float32
         # kvtier's CPU kernels (float32), or None: torch's ops
         self.ops = native.ops() if cpu32 else None
-        self.lm_head = make_linear(weight, None, self.ops)  # [V, H]
+        self.matmul_dtype = matmul_dtype
+        self.lm_head = make_linear(weight, None, self.ops, matmul_dtype)  # [V, H]
         self.rotary = base.rotary_emb
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
@@ -158,16 +163,17 @@ class LlamaModel:
         k_norm = getattr(attn, "k_norm", None)
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        ops = self.ops
+        ops, low = self.ops, self.matmul_dtype
+        qkv_bias = _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
         return _Layer(
             input_norm=layer.input_layernorm.weight,
-            qkv=make_linear(qkv, _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]), ops),
+            qkv=make_linear(qkv, qkv_bias, ops, low),
             q_norm=q_norm.weight if q_norm is not None else None,
             k_norm=k_norm.weight if k_norm is not None else None,
-            o=make_linear(attn.o_proj.weight, attn.o_proj.bias, ops),
+            o=make_linear(attn.o_proj.weight, attn.o_proj.bias, ops, low),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=make_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias]), ops),
-            down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, ops),
+            gate_up=make_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias]), ops, low),
+            down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, ops, low),
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from kvtier import native
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.sequence import Piece, Sequence
 from kvtier.hf import PackedCache, begin_packed
+from kvtier.kv.layout import dtype_name
 from kvtier.runtime import SequenceKV
 
 RUNNERS = ("auto", "kvtier", "transformers")
@@ -146,13 +147,17 @@ class LlamaRunner:
     Args:
         model: a transformers Llama-family causal LM (``LlamaModel.supports``).
         device: where its inputs go.
+        matmul_dtype: the projections' dtype (``LlamaModel``); None: the weights'.
     """
 
-    def __init__(self, model: Any, device: torch.device) -> None:
-        self.llama = LlamaModel(model)
+    def __init__(
+        self, model: Any, device: torch.device, matmul_dtype: torch.dtype | None = None
+    ) -> None:
+        self.llama = LlamaModel(model, matmul_dtype)
         self.device = device
         kernels = native.status().line() if self.llama.ops is not None else "torch's ops"
-        self.name = f"kvtier (llama family; {kernels})"
+        low = "" if matmul_dtype is None else f"; projections in {dtype_name(matmul_dtype)}"
+        self.name = f"kvtier (llama family; {kernels}{low})"
 
     def run(self, work: Seq[Piece]) -> Sampled:
         """One forward over every piece's ids; every piece's sequence holds a cache.
@@ -193,22 +198,28 @@ class LlamaRunner:
 
 
 def make_runner(
-    model: Any, device: torch.device, choice: str = "auto"
+    model: Any,
+    device: torch.device,
+    choice: str = "auto",
+    matmul_dtype: torch.dtype | None = None,
 ) -> ModelRunner | LlamaRunner:
     """The runner for ``model``: kvtier's own forward where the architecture has it (unless
-    ``choice`` is ``transformers``), else transformers' modelling.
+    ``choice`` is ``transformers``), else transformers' modelling. ``matmul_dtype`` (only
+    kvtier's forward has it): the projections' dtype.
 
     Raises:
         ValueError: ``choice`` is ``kvtier`` and the model does not have the shape (why),
-            or ``choice`` is not one of ``RUNNERS``.
+            ``choice`` is not one of ``RUNNERS``, or ``matmul_dtype`` is asked of a model
+            that transformers' modelling runs.
     """
     if choice not in RUNNERS:
         raise ValueError(f"runner: unknown {choice!r}; accepted: {list(RUNNERS)}")
-    if choice == "transformers":
-        return ModelRunner(model, device)
-    reason = LlamaModel.why_not(model)
+    reason = "runner 'transformers' chosen" if choice == "transformers" else None
+    reason = reason or LlamaModel.why_not(model)
     if reason is None:
-        return LlamaRunner(model, device)
+        return LlamaRunner(model, device, matmul_dtype)
     if choice == "kvtier":
         raise ValueError(f"runner: kvtier's own forward cannot run this model: {reason}")
+    if matmul_dtype is not None:
+        raise ValueError(f"matmul_dtype: only kvtier's own forward has it ({reason})")
     return ModelRunner(model, device)

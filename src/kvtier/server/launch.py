@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="the model's forward: kvtier's own for the Llama family (auto), or transformers'",
     )
+    low = "projections in bf16: faster, tokens drift (default: the weights' dtype, exact)"
+    parser.add_argument("--matmul-dtype", choices=("bfloat16",), default=None, help=low)
     parser.add_argument(
         "--max-batch-size",
         type=int,
@@ -211,6 +213,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_batch_size=args.max_batch_size,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
         runner=args.runner,
+        matmul_dtype=args.matmul_dtype,
         cache=TieredCacheConfig(
             device_budget_bytes=args.device_budget_mb * MiB, placement=args.placement
         ),
