@@ -1,0 +1,73 @@
+"""Projections in bf16 (``EngineConfig.matmul_dtype``): each projection is oneDNN's bf16
+product of the rounded input and weight, the engine's tokens follow the float32 engine's
+closely but not exactly, and the option is refused where it cannot apply."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.engine.linear import make_linear
+from kvtier.engine.runner import make_runner
+from kvtier.models import random_model
+from tests.engine.tiny import engine_config, reference_tokens, tiny_model
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_reorder_linear_weight"
+)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="needs torch's oneDNN")
+def test_a_bf16_projection_is_the_product_of_the_rounded_input_and_weight() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    linear = make_linear(weight, bias, None, torch.bfloat16)
+    assert linear.matmul_dtype == torch.bfloat16 and linear.weight is None
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        out = linear(x)
+        assert out.dtype == torch.float32 and out.shape == (rows, 96)
+        rounded = torch.nn.functional.linear(
+            x.bfloat16().float(), weight.bfloat16().float(), bias.bfloat16().float()
+        )  # float32 accumulation of the bf16 operands; the output is rounded to bf16
+        torch.testing.assert_close(out, rounded, atol=0, rtol=2**-7)
+        exact = torch.nn.functional.linear(x, weight, bias)
+        assert not torch.equal(out, exact)
+
+
+def _logprob_runs(model: Any, tokenizer: Any, matmul_dtype: str | None) -> list[Any]:
+    config = dataclasses.replace(engine_config(), runner="kvtier", matmul_dtype=matmul_dtype)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate((9, 40, 70))]
+    with Engine(model, tokenizer, config) as engine:
+        return [h.result() for h in [engine.submit(p, params) for p in prompts]]
+
+
+@pytest.mark.skipif(not ONEDNN, reason="needs torch's oneDNN")
+def test_the_engine_in_bf16_projections_stays_close_to_float32(tokenizer: Any) -> None:
+    model = tiny_model(tokenizer, seed=4)
+    exact = _logprob_runs(model, tokenizer, None)
+    low = _logprob_runs(model, tokenizer, "bfloat16")
+    prompt = list(range(200, 209))
+    assert exact[0].token_ids == reference_tokens(model, prompt, 8)  # float32 stays exact
+    pairs = zip(exact, low, strict=True)
+    first = [(a.logprobs[0].logprob, b.logprobs[0].logprob) for a, b in pairs]
+    assert all(abs(a - b) < 0.05 for a, b in first)  # the first token's log-probability
+    assert any(a != b for a, b in first)  # and it is another computation
+
+
+def test_matmul_dtype_is_checked_in_one_line(tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match=r"matmul_dtype: unknown 'float16'; accepted"):
+        EngineConfig(matmul_dtype="float16")
+    neox = random_model("gpt_neox", vocab_size=len(tokenizer))
+    with pytest.raises(ValueError, match="matmul_dtype: only kvtier's own forward"):
+        make_runner(neox, torch.device("cpu"), "auto", torch.bfloat16)
+    llama = tiny_model(tokenizer)
+    with pytest.raises(ValueError, match="matmul_dtype: only kvtier's own forward"):
+        make_runner(llama, torch.device("cpu"), "transformers", torch.bfloat16)
+    runner = make_runner(llama, torch.device("cpu"), "auto", torch.bfloat16)
+    assert "projections in bfloat16" in runner.name
