@@ -45,17 +45,19 @@ class Linear:
     kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
     rows_max: int = ROWS_KERNEL_MAX
     matmul_dtype: torch.dtype | None = None
-    """Set (``bfloat16``): ``pack`` and ``bias`` hold the weight in that dtype, and a call
-    rounds ``x`` to it, multiplies with float32 accumulation, and returns ``x``'s dtype."""
+    """Set (``bfloat16``): ``weight``, ``pack`` and ``bias`` hold the weight in that dtype.
+    Up to ``rows_max`` rows ``linear_rows`` widens it as it reads (``x`` stays float32);
+    above, oneDNN rounds ``x`` to it too. Both accumulate in float32 and return ``x``'s
+    dtype."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` → ``[N, out]``."""
+        if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
+            return self.kernels.linear_rows(x, self.weight, self.bias)
         if self.matmul_dtype is not None and self.pack is not None:
             low = x.to(self.matmul_dtype)
             out = torch.ops.mkldnn._linear_pointwise(low, self.pack, self.bias, "none", [], "")
             return out.to(x.dtype)
-        if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
-            return self.kernels.linear_rows(x, self.weight, self.bias)
         if self.pack is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
         assert self.weight is not None
@@ -120,20 +122,21 @@ def make_linear(
 ) -> Linear:
     """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None.
 
-    ``matmul_dtype`` (``bfloat16``): multiply in that dtype on oneDNN (weight and input
-    rounded to it, float32 accumulation; half the weight bytes, twice the FMA rate where the
-    CPU has AVX-512 BF16), falling back to the plain projection where oneDNN cannot pack.
+    ``matmul_dtype`` (``bfloat16``): keep the weight in that dtype (half the bytes a step
+    reads) and multiply on oneDNN (input rounded too, float32 accumulation; twice the FMA
+    rate where the CPU has AVX-512 BF16) or, for few rows, ``linear_rows`` (float32 input);
+    the plain projection where oneDNN cannot pack.
     """
-    if matmul_dtype is not None and matmul_dtype != weight.dtype:
-        low = weight.detach().to(matmul_dtype)
-        pack = _onednn_pack(low)
-        if pack is not None:
-            low_bias = None if bias is None else bias.detach().to(matmul_dtype)
-            return Linear(None, low_bias, pack, matmul_dtype=matmul_dtype)
-    pack = _onednn_pack(weight)
     in_features = weight.shape[1]
     fits = in_features % 16 == 0  # linear_rows' shape rule
     kernels = ops if ops is not None and fits else None
+    if matmul_dtype is not None and matmul_dtype != weight.dtype:
+        low = weight.detach().to(matmul_dtype).contiguous()
+        pack = _onednn_pack(low)
+        if pack is not None:
+            low_bias = None if bias is None else bias.detach().to(matmul_dtype)
+            return Linear(low, low_bias, pack, kernels, matmul_dtype=matmul_dtype)
+    pack = _onednn_pack(weight)
     weight = weight.detach().contiguous()
     keep = pack is None or kernels is not None
     return Linear(weight if keep else None, bias, pack, kernels)

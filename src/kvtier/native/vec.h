@@ -70,6 +70,25 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// 16 bfloat16 values (their raw 16-bit patterns) widened to float32: exact (a bf16 value is
+// the top half of its float32).
+typedef uint16_t vhalf16 __attribute__((vector_size(32)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+inline vfloat load(const uint16_t* p) {
+  vhalf16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vuint bits = __builtin_convertvector(h, vuint) << 16;
+  return reinterpret_cast<const vfloat&>(bits);
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {  // one bfloat16 pattern
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 // s[j] = exp(s[j] - shift) for j < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float shift) {
   vfloat acc{};
