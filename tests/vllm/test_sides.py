@@ -203,35 +203,52 @@ def random_chunks(m: KVManager, ids: np.ndarray) -> list[Chunk]:
     return [Chunk(r, torch.randn(LAYOUT.chunk_shape, generator=gen)) for r in m.refs_for(ids)]
 
 
+SAVED_FROM = [7, 2, 5, 0]  # the two chunks' vLLM blocks when saved
+LOADED_INTO = [1, 3, 4, 6]  # and when loaded (the request's fifth block is computed)
+
+
+def _save(m: KVManager, side: SchedulerSide, layers: dict[str, torch.Tensor], ids: list[int]
+          ) -> WorkerSide:  # fmt: skip
+    """Request "a" over ``ids`` (two chunks) saves them from ``SAVED_FROM``."""
+    saver = WorkerSide(m, PagedLayout(LAYOUT, BLOCK))
+    saver.register(layers)
+    side.after_alloc(request("a", ids), SAVED_FROM, 0)
+    saver.save(side.build(step([("a", SAVED_FROM, 0, 32)])).saves)
+    return saver
+
+
+def _load(m: KVManager, side: SchedulerSide, ids: list[int], req_id: str
+          ) -> tuple[WorkerSide, dict[str, torch.Tensor], Any]:  # fmt: skip
+    """Request ``req_id`` over ``ids`` + one token loads both chunks into ``LOADED_INTO`` of
+    fresh layers, every layer scattered; (its worker, the layers, its load)."""
+    target = {n: torch.zeros_like(t) for n, t in kv_layers(8).items()}
+    loader = WorkerSide(m, PagedLayout(LAYOUT, BLOCK))
+    loader.register(target)
+    again = request(req_id, [*ids, 9])
+    assert side.matched_tokens(again, 0) == 32
+    side.after_alloc(again, [*LOADED_INTO, 2], 32)
+    (load,) = side.build(step([(req_id, [*LOADED_INTO, 2], 32, 1)])).loads
+    loader.start_load([load])
+    for name in target:
+        loader.wait_layer(name)
+    return loader, target, load
+
+
 def test_saved_chunks_load_into_other_blocks_bit_exact(tmp_path: Path) -> None:
     """Save from one set of vLLM blocks, evict host to disk, load into other blocks; once
     the first chunk is lost, nothing loads and every planned block is failed."""
     layers = kv_layers(8, seed=1)
     ids = list(range(500, 532))  # two chunks
     with manager(tmp_path, host_chunks=2) as m:
-        paged = PagedLayout(LAYOUT, BLOCK)
         side = SchedulerSide(m.hasher, lambda t, s: m.lookup(t, s).tiers, BLOCK, True, True)
-        saver = WorkerSide(m, paged)
-        saver.register(layers)
-        side.after_alloc(request("a", ids), [7, 2, 5, 0], 0)
-        saver.save(side.build(step([("a", [7, 2, 5, 0], 0, 32)])).saves)
-        assert saver.saved_chunks == 2
+        assert _save(m, side, layers, ids).saved_chunks == 2
         m.store(random_chunks(m, np.arange(9_000, 9_000 + 64)))  # evicts them to disk
         m.wait_writes()
         assert m.lookup(ids).tiers == ["disk", "disk"]
 
-        target = {n: torch.zeros_like(t) for n, t in kv_layers(8).items()}
-        loader = WorkerSide(m, paged)
-        loader.register(target)
-        again = request("c", [*ids, 9])
-        assert side.matched_tokens(again, 0) == 32
-        side.after_alloc(again, [1, 3, 4, 6, 2], 32)
-        (load,) = side.build(step([("c", [1, 3, 4, 6, 2], 32, 1)])).loads
-        loader.start_load([load])
-        for name in target:
-            loader.wait_layer(name)
+        loader, target, load = _load(m, side, ids, "c")
         for name, layer in target.items():
-            for dst, src in zip([1, 3, 4, 6], [7, 2, 5, 0], strict=True):
+            for dst, src in zip(LOADED_INTO, SAVED_FROM, strict=True):
                 assert torch.equal(layer[dst], layers[name][src])
         assert loader.take_failed_blocks() == set() and loader.loaded_chunks == 2
 
@@ -239,7 +256,7 @@ def test_saved_chunks_load_into_other_blocks_bit_exact(tmp_path: Path) -> None:
         m.host.remove([load.chunks[0].ref])
         loader.start_load([load])
         loader.finish_step()
-        assert loader.take_failed_blocks() == {1, 3, 4, 6}
+        assert loader.take_failed_blocks() == set(LOADED_INTO)
         assert m.stats().recomputed_chunks_by_cause["missing"] == 1
 
 
@@ -248,30 +265,17 @@ def test_blocks_saved_through_an_int8_host_load_as_its_round_trip() -> None:
     layers = kv_layers(8, seed=3)
     ids = list(range(700, 732))  # two chunks
     with manager(host_codec="int8") as m:
-        paged = PagedLayout(LAYOUT, BLOCK)
         side = SchedulerSide(m.hasher, lambda t, s: m.lookup(t, s).tiers, BLOCK, True, True)
-        worker = WorkerSide(m, paged)
-        worker.register(layers)
-        side.after_alloc(request("a", ids), [7, 2, 5, 0], 0)
-        worker.save(side.build(step([("a", [7, 2, 5, 0], 0, 32)])).saves)
-        saved = [torch.empty(LAYOUT.chunk_shape) for _ in range(2)]
-        for blocks, out in zip([[7, 2], [5, 0]], saved, strict=True):
-            gather_chunk(paged, list(layers.values()), torch.tensor(blocks), out)
-        target = {n: torch.zeros_like(t) for n, t in kv_layers(8).items()}
-        loader = WorkerSide(m, paged)
-        loader.register(target)
-        again = request("b", [*ids, 9])
-        assert side.matched_tokens(again, 0) == 32
-        side.after_alloc(again, [1, 3, 4, 6, 2], 32)
-        (load,) = side.build(step([("b", [1, 3, 4, 6, 2], 32, 1)])).loads
-        loader.start_load([load])
-        for name in target:
-            loader.wait_layer(name)
+        _save(m, side, layers, ids)
+        loader, target, _ = _load(m, side, ids, "b")
         assert loader.take_failed_blocks() == set() and loader.loaded_chunks == 2
-        codec = get_codec("int8")
+        paged, codec = PagedLayout(LAYOUT, BLOCK), get_codec("int8")
+        saved = [torch.empty(LAYOUT.chunk_shape) for _ in range(2)]
         got = [torch.empty(LAYOUT.chunk_shape) for _ in range(2)]
-        for blocks, out in zip([[1, 3], [4, 6]], got, strict=True):
-            gather_chunk(paged, list(target.values()), torch.tensor(blocks), out)
+        for j in range(2):
+            pair = slice(2 * j, 2 * j + 2)
+            gather_chunk(paged, list(layers.values()), torch.tensor(SAVED_FROM[pair]), saved[j])
+            gather_chunk(paged, list(target.values()), torch.tensor(LOADED_INTO[pair]), got[j])
         for want, have in zip(saved, got, strict=True):
             expected = torch.empty_like(want)
             codec.decode_into(codec.encode(want, LAYOUT), expected)
