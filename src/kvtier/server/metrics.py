@@ -76,7 +76,7 @@ class EngineCollector(Collector):
         yield policies
         codecs = GaugeMetricFamily(
             "kvtier_tier_codec",
-            "1 for the chunk codec each tier stores in (raw is exact; kvtier serve --disk-codec)",
+            "1 for the chunk codec each tier stores in (raw is exact; kvtier serve --*-codec)",
             labels=["tier", "codec"],
         )
         for store in self.engine.manager.tiers:
