@@ -42,7 +42,7 @@ def test_a_host_gives_back_its_codecs_round_trip_and_its_budget_counts_stored_by
     host = host_tier(layout, 4 * layout.chunk_nbytes, pin_memory=False, codec=codec)
     stored = get_codec(codec).encoded_nbytes(layout)
     assert host.stored_chunk_nbytes == stored
-    assert host.num_slots == 4 * layout.chunk_nbytes // stored  # int8 holds 15, not 4
+    assert host.num_slots == 4 * layout.chunk_nbytes // stored  # int8 holds 10, not 4
     chunks = make_chunks(layout, host.num_slots)
     assert len(host.put(chunks).stored) == host.num_slots and host.stats().evictions == 0
     assert host.used_bytes <= host.capacity_bytes
