@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "second_turn_ttft_speedup": recompute.ttft_s / second.ttft_s,
         "second_turn_reused_tokens": second.reused_tokens,
         "eviction_policy": args.eviction_policy,
+        "codecs": {"host": args.host_codec, "disk": args.disk_codec},
     }
     print(f"\nmachine: {machine_info()['cpu']}; link host->device: {link_desc}")
     print(f"pass key {pass_key}; kvtier answered {first.text!r}; baseline {baseline.text!r}")
@@ -254,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\nmanager tiers over both turns:")
     print(manager_stats.table())
     verdict = "identical" if identical else "DIFFERENT"
+    lossy = [
+        c for c in (args.host_codec, args.disk_codec if args.disk_dir else "raw") if c != "raw"
+    ]
+    if lossy:
+        verdict += f" (chunks stored as {'/'.join(lossy)}, a lossy codec)"
     print(
         f"\ntokens {verdict} to transformers DynamicCache in both turns; answer "
         f"{'correct' if summary['answer_correct'] else 'wrong'}; turn-2 TTFT "
