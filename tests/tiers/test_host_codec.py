@@ -163,6 +163,12 @@ def test_decode_streams_a_coded_hosts_encoded_bytes_and_attends_the_decoded_valu
     raw_bytes, coded_bytes = raw_cache.stats().link.bytes, cache.stats().link.bytes
     assert raw_bytes > 0
     assert coded_bytes * layout.chunk_nbytes == raw_bytes * cache.manager.host.stored_chunk_nbytes
+    raw_reads, reads = raw_cache.stats().decisions["stream"], cache.stats().decisions["stream"]
+    assert reads.chunks == raw_reads.chunks  # the same reads, each the codec's bytes
+    assert (
+        reads.nbytes * layout.chunk_nbytes
+        == raw_reads.nbytes * cache.manager.host.stored_chunk_nbytes
+    )
     assert torch.equal(scores[0], raw_scores[0])
     later = scores[1:] - raw_scores[1:]
     assert later.abs().max() > 0

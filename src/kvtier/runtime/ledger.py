@@ -67,7 +67,8 @@ class Ledger:
     """The running totals of one sequence's decisions (see the module docstring).
 
     Args:
-        group_chunk_nbytes: bytes of one chunk of every layer of each layer group.
+        group_chunk_nbytes: bytes of one chunk of every layer of each layer group, as the
+            host stores them (what a streamed read moves; its codec's bytes when coded).
         rates: the cost model's rates (None: nothing is predicted).
         throttle_gbps: the link's throttle (None: its measured rate).
     """

@@ -90,8 +90,8 @@ class SequenceKV:
         self.sealed_chunks = 0
         self.peak_device_nbytes = 0
         self._hosted_count = hosted_counter(config, self.layout, self.groups, self.host.codec.name)
-        self.ledger = Ledger(
-            [g.layout(self.layout).chunk_nbytes for g in self.groups],
+        self.ledger = Ledger(  # a chunk read moves the host's stored bytes of its group
+            [len(g.layers) * self.host.layer_stored_nbytes for g in self.groups],
             config.rates,
             config.link.gbps,
         )
