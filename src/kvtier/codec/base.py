@@ -104,7 +104,7 @@ def sections(
     views: list[torch.Tensor] = []
     offset = 0
     for dtype, shape in parts:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = 1
         for size in shape:
             numel *= size

@@ -58,7 +58,7 @@ class KiviCodec(Codec):
             numel = 1
             for size in shape:
                 numel *= size
-            total += numel * torch.empty((), dtype=dtype).element_size()
+            total += numel * dtype.itemsize
         return total
 
     def _layout_of(self, chunk: torch.Tensor) -> KVLayout:

@@ -54,12 +54,11 @@ class Linear:
         """``x [N, in]`` → ``[N, out]``."""
         if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
             return self.kernels.linear_rows(x, self.weight, self.bias)
-        if self.matmul_dtype is not None and self.pack is not None:
-            low = x.to(self.matmul_dtype)
-            out = torch.ops.mkldnn._linear_pointwise(low, self.pack, self.bias, "none", [], "")
-            return out.to(x.dtype)
         if self.pack is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.pack, self.bias, "none", [], "")
+            low = self.matmul_dtype  # set: the pack's dtype, which the input takes too
+            xin = x if low is None else x.to(low)
+            out = torch.ops.mkldnn._linear_pointwise(xin, self.pack, self.bias, "none", [], "")
+            return out if low is None else out.to(x.dtype)
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
@@ -130,13 +129,14 @@ def make_linear(
     in_features = weight.shape[1]
     fits = in_features % 16 == 0  # linear_rows' shape rule
     kernels = ops if ops is not None and fits else None
-    if matmul_dtype is not None and matmul_dtype != weight.dtype:
-        low = weight.detach().to(matmul_dtype).contiguous()
-        pack = _onednn_pack(low)
-        if pack is not None:
-            low_bias = None if bias is None else bias.detach().to(matmul_dtype)
-            return Linear(low, low_bias, pack, kernels, matmul_dtype=matmul_dtype)
-    pack = _onednn_pack(weight)
     weight = weight.detach().contiguous()
+    pack, low = None, None
+    if matmul_dtype is not None and matmul_dtype != weight.dtype:
+        rounded = weight.to(matmul_dtype)
+        pack = _onednn_pack(rounded)
+        if pack is not None:  # else the plain projection
+            low, weight = matmul_dtype, rounded
+            bias = None if bias is None else bias.detach().to(low)
+    pack = pack if pack is not None else _onednn_pack(weight)
     keep = pack is None or kernels is not None
-    return Linear(weight if keep else None, bias, pack, kernels)
+    return Linear(weight if keep else None, bias, pack, kernels, matmul_dtype=low)

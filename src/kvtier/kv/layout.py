@@ -81,7 +81,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def chunk_shape(self) -> tuple[int, int, int, int, int]:

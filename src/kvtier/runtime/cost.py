@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+from kvtier.codec import CODECS, Codec
 from kvtier.config import PlacementRates, TieredCacheConfig
 from kvtier.kv.layout import KVLayout
 from kvtier.runtime.groups import LayerGroup
@@ -68,7 +69,7 @@ def hosted_counter(
     config: TieredCacheConfig,
     layout: KVLayout,
     groups: Sequence[LayerGroup],
-    host_codec: str = "raw",
+    host_codec: Codec = CODECS["raw"],
 ) -> Callable[[int, int], int] | None:
     """``(group, chunks) -> how many to attend on the host`` for ``config.placement``; None
     for ``stream`` (all stream). The ``auto`` answer depends only on its arguments, so it
@@ -80,12 +81,12 @@ def hosted_counter(
         ValueError: ``auto`` without ``config.rates`` (``kvtier.calibrate.resolve_rates``
             fills them from a profile first); ``host`` over a host pool in a lossy codec.
     """
-    if config.placement == "host" and host_codec != "raw":
+    if config.placement == "host" and not host_codec.exact:
         raise ValueError(
             f"placement 'host' attends the host pool in place, which needs host codec 'raw' "
-            f"(got {host_codec!r}); use placement 'stream' or 'auto'"
+            f"(got {host_codec.name!r}); use placement 'stream' or 'auto'"
         )
-    if config.placement == "stream" or host_codec != "raw":
+    if config.placement == "stream" or not host_codec.exact:
         return None
     if config.placement == "host":
         return lambda group, chunks: chunks

@@ -89,7 +89,7 @@ class SequenceKV:
         self.pages_tier: str | None = None  # the tier the last reuse's pages came from
         self.sealed_chunks = 0
         self.peak_device_nbytes = 0
-        self._hosted_count = hosted_counter(config, self.layout, self.groups, self.host.codec.name)
+        self._hosted_count = hosted_counter(config, self.layout, self.groups, self.host.codec)
         self.ledger = Ledger(  # a chunk read moves the host's stored bytes of its group
             [len(g.layers) * self.host.layer_stored_nbytes for g in self.groups],
             config.rates,

@@ -135,14 +135,13 @@ class PoolTier(Tier):
     def _write_slot(self, slot: int, chunk: Chunk) -> None:
         cuda = self.device.type == "cuda" or chunk.data.device.type == "cuda"
         if self.coded:
-            data = chunk.data
-            encoded = self.pool[slot]
-            if data.device != encoded.device:  # encode where the data is, move the bytes
-                encoded = torch.empty_like(encoded, device=data.device)
+            data, target = chunk.data, self.pool[slot]
+            here = data.device == target.device  # else encode where the data is, move bytes
+            encoded = target if here else torch.empty_like(target, device=data.device)
             for layer in range(self.layout.num_layers):
                 self.codec.encode_into(data[layer : layer + 1], encoded[layer])
-            if encoded.data_ptr() != self.pool[slot].data_ptr():
-                self.pool[slot].copy_(encoded)
+            if not here:
+                target.copy_(encoded)
         else:
             self.slot_data(slot).copy_(chunk.data, non_blocking=self.device.type == "cuda")
         if cuda:
