@@ -134,6 +134,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--budget: must be in (0, 1], got {args.budget}")
     if args.context < 512:
         parser.error(f"--context: must be >= 512 tokens, got {args.context}")
+    if args.placement == "host" and args.host_codec != "raw":  # before the model loads
+        parser.error(f"--placement host reads the host tier in place: needs --host-codec raw, "
+                     f"got {args.host_codec}")  # fmt: skip
     return args
 
 
