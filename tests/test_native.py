@@ -203,13 +203,27 @@ def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> No
     assert native.status().how == "off"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 13])
-def test_linear_rows_equals_f_linear(rows: int) -> None:
-    """Row groups of 6 and their remainder, an odd output count; with and without a bias."""
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 112, generator=gen)  # 3 pairs of vectors and one left
-    w, b = torch.randn(21, 112, generator=gen), torch.randn(21, generator=gen)  # O any
-    torch.testing.assert_close(_ops().linear_rows(x, w, None), F.linear(x, w))
-    torch.testing.assert_close(_ops().linear_rows(x, w, b), F.linear(x, w, b))
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        _ops().linear_rows(torch.zeros(1, 90), torch.zeros(20, 90), None)
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize("out_features", [1, 21, 48, 64, 100])
+def test_linear_panels_equals_f_linear(rows: int, out_features: int) -> None:
+    """Tiles of 8 rows and their remainder; blocks of 3 panels and of 1 or 2, a last panel
+    part-filled; an input width that is no multiple of 16; with and without a bias."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, 90, generator=gen)
+    w, b = torch.randn(out_features, 90, generator=gen), torch.randn(out_features, generator=gen)
+    panels = _ops().pack_panels(w)
+    assert panels.shape == ((out_features + 15) // 16, 90, 16)
+    torch.testing.assert_close(_ops().linear_panels(x, panels, None, out_features), F.linear(x, w))
+    torch.testing.assert_close(_ops().linear_panels(x, panels, b, out_features), F.linear(x, w, b))
+
+
+def test_linear_panels_refuses_mismatched_inputs() -> None:
+    panels = _ops().pack_panels(torch.zeros(20, 90))
+    with pytest.raises(RuntimeError, match="must match x's I"):
+        _ops().linear_panels(torch.zeros(1, 91), panels, None, 20)
+    with pytest.raises(RuntimeError, match="must match x's I"):
+        _ops().linear_panels(torch.zeros(1, 90), panels, None, 40)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        _ops().linear_panels(torch.zeros(1, 90), panels, torch.zeros(3), 20)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        _ops().linear_panels(torch.zeros(1, 90, dtype=torch.float64), panels, None, 20)

@@ -8,8 +8,8 @@ through
 - ``F.linear`` on the ``[out, in]`` weights (transformers' path: MKL on the CPU),
 - ``x @ W`` on ``[in, out]`` copies (the runner's one-row path before oneDNN),
 - oneDNN's matmul on packed weights (``kvtier.engine.linear.Linear``'s path from 3 rows),
-- kvtier's ``linear_rows`` CPU kernel on the ``[out, in]`` weights (``kvtier.native``;
-  the runner's path for 1 and 2 rows), where it is built,
+- kvtier's ``linear_panels`` CPU kernel on the weights in panels of 16 outputs
+  (``kvtier.native``; the runner's path for a decode batch's few rows), where it is built,
 
 and do the runner's pointwise stages (RMSNorm, RoPE on q and k, SiLU·mul, residual add
 and norm) gain from ``torch.compile`` (inductor, dynamic shapes) over eager? Every case
@@ -50,7 +50,7 @@ def projections(model: Any, llama: LlamaModel) -> list[tuple[torch.Tensor, Linea
 def matmul_cases(
     weights: list[tuple[torch.Tensor, Linear]], rows: int
 ) -> dict[str, Callable[[int], float]]:
-    """The ways to run every projection once on ``rows`` rows (kvtier's ``linear_rows``
+    """The ways to run every projection once on ``rows`` rows (kvtier's ``linear_panels``
     where its CPU kernels are built); each returns seconds."""
     gen = torch.Generator().manual_seed(rows)
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen) for w, _ in weights}
@@ -71,13 +71,13 @@ def matmul_cases(
 
     runs = {"F.linear": linear, "x @ W[in,out]": in_out, "onednn": onednn}
     ops = native.ops()
-    if ops is not None:
+    if ops is not None and all(packed.panels is not None for _, packed in weights):
 
-        def rows_kernel() -> None:
-            for w, _ in weights:
-                ops.linear_rows(inputs[w.shape[1]], w, None)
+        def panels_kernel() -> None:
+            for w, packed in weights:
+                ops.linear_panels(inputs[w.shape[1]], packed.panels, None, packed.out_features)
 
-        runs["kvtier linear_rows"] = rows_kernel
+        runs["kvtier linear_panels"] = panels_kernel
     return {name: partial(_seconds, fn) for name, fn in runs.items()}
 
 

@@ -42,20 +42,18 @@ def test_a_bf16_projection_is_the_product_of_the_rounded_input_and_weight() -> N
 
 @pytest.mark.skipif(native.ops() is None, reason="needs kvtier's CPU kernels")
 def test_few_rows_read_the_bf16_weight_widened_with_float32_inputs() -> None:
-    """``linear_rows`` on a bf16 weight: the float32 product of ``x`` and the weight widened
-    exactly (half the bytes read; only the summation order differs from torch's)."""
+    """``linear_panels`` on a bf16 weight: the float32 product of ``x`` and the weight
+    widened exactly (half the bytes read; only the summation order differs from torch's)."""
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(80, 64, generator=gen), torch.randn(80, generator=gen)
     linear = make_linear(weight, bias, native.ops(), torch.bfloat16)
-    assert linear.kernels is not None and linear.weight is not None
-    assert linear.weight.dtype == torch.bfloat16
+    assert linear.kernels is not None and linear.panels is not None
+    assert linear.panels.dtype == torch.bfloat16
     widened = (weight.bfloat16().float(), bias.bfloat16().float())
-    for rows in range(1, linear.rows_max + 1):
+    for rows in (1, 2, 7, 8, 9, 16, 17, linear.rows_max):
         x = torch.randn(rows, 64, generator=gen)
         want = torch.nn.functional.linear(x, *widened)
         torch.testing.assert_close(linear(x), want, atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="bias must be a contiguous"):
-        native.ops().linear_rows(torch.randn(1, 64), weight.bfloat16(), bias)
 
 
 def _logprob_runs(model: Any, tokenizer: Any, matmul_dtype: str | None) -> list[Any]:

@@ -1,6 +1,7 @@
-"""The CPU runner's projections: ``Linear`` (one weight, its oneDNN-packed copy, and
-kvtier's ``linear_rows`` kernel for the few-row case), ``make_linear`` and
-``rows_kernel_max``, which times ``linear_rows`` against oneDNN on a model's own weights.
+"""The CPU runner's projections: ``Linear`` (one weight, its oneDNN-packed copy, and the
+panel copy kvtier's ``linear_panels`` kernel reads for the few-row case), ``make_linear``
+and ``rows_kernel_max``, which times ``linear_panels`` against oneDNN on a model's own
+weights.
 
 ``Linear`` is immutable and its call only reads its weights (safe from any thread);
 ``MEASURED_ROWS`` is written by the thread building a ``LlamaModel``.
@@ -17,43 +18,48 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROWS_KERNEL_MAX = 2
-"""Most rows ``Linear`` may give kvtier's ``linear_rows`` kernel (oneDNN above); at start
-``LlamaModel`` keeps it only for the row counts where it measures faster here."""
+ROWS_KERNEL_MAX = 64
+"""Most rows ``Linear`` may give kvtier's ``linear_panels`` kernel (oneDNN above); at start
+``LlamaModel`` keeps it only up to the row count where it measures faster here."""
+
+ROWS_MEASURED = (1, 2, 4, 8, 16, 32, 64)
+"""The row counts ``rows_kernel_max`` times (a decode batch's sizes)."""
 
 
 @dataclass(frozen=True)
 class Linear:
-    """One projection: the weight ``[out, in]`` as ``F.linear`` takes it, and on the CPU
-    its oneDNN-packed copy ``pack``.
+    """One projection ``[out, in]``: on the CPU its oneDNN-packed copy ``pack`` and, where
+    kvtier's kernels are built, its panel copy ``panels`` (``kvtier_cpu.pack_panels``);
+    ``weight`` (the plain ``[out, in]`` as ``F.linear`` takes it) only where neither is.
 
     oneDNN's matmul on a packed weight measured 1.3-3x faster than ``F.linear`` (MKL) on
     this model's projections on the 2-core AMD EPYC, at every row count from 1 to 1,024
     (docs/benchmarks.md, "the runner's matmuls"), so the CPU runner packs every weight once
-    at start. kvtier's own ``linear_rows`` kernel (``kernels`` set) reads the plain weight
-    once, in order, for one or two rows: over this model's 120 layer projections at one row
-    it measured 0.61-0.70 of oneDNN's time, at parity from three rows and slower from four
-    (2-core AMD EPYC, interleaved, a noisy machine); on other machines an earlier version
-    measured slower at every row count, so ``LlamaModel`` times both at start and keeps it
-    only up to ``rows_max`` rows where it wins. The plain weight is then kept as well (else
-    it is None once packed).
+    at start. kvtier's ``linear_panels`` reads each panel block once per call and keeps a
+    tile of 8 rows x 48 outputs in registers: over this model's 121 projections it measured
+    0.55 (1 row), 0.62 (8), 0.86 (16) and 0.88 (64) of oneDNN's time (2-core AMD EPYC,
+    interleaved, a noisy machine); other machines may differ, so ``LlamaModel`` times both
+    at start and keeps the kernel only up to ``rows_max`` rows where it wins.
     """
 
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     pack: torch.Tensor | None
+    out_features: int
+    in_features: int
+    panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16]
     kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
     rows_max: int = ROWS_KERNEL_MAX
     matmul_dtype: torch.dtype | None = None
-    """Set (``bfloat16``): ``weight``, ``pack`` and ``bias`` hold the weight in that dtype.
-    Up to ``rows_max`` rows ``linear_rows`` widens it as it reads (``x`` stays float32);
+    """Set (``bfloat16``): ``pack``, ``panels`` and ``bias`` hold the weight in that dtype.
+    Up to ``rows_max`` rows ``linear_panels`` widens it as it reads (``x`` stays float32);
     above, oneDNN rounds ``x`` to it too. Both accumulate in float32 and return ``x``'s
     dtype."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` → ``[N, out]``."""
         if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
-            return self.kernels.linear_rows(x, self.weight, self.bias)
+            return self.kernels.linear_panels(x, self.panels, self.bias, self.out_features)
         if self.pack is not None:
             low = self.matmul_dtype  # set: the pack's dtype, which the input takes too
             xin = x if low is None else x.to(low)
@@ -68,19 +74,18 @@ MEASURED_ROWS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyD
 
 
 def rows_kernel_max(linears: list[Linear], repeats: int = 2) -> int:
-    """The most rows (0 .. ``ROWS_KERNEL_MAX``) up to which ``linear_rows`` beat oneDNN on
-    these projections, timed through all of them (so the weights come from memory, as in
-    a step) at the current thread count; 0 where either is missing."""
-    usable = [x for x in linears if x.kernels is not None and x.pack is not None]
+    """The most rows (0 or one of ``ROWS_MEASURED``) up to which ``linear_panels`` beat
+    oneDNN at every count measured, timed through all of ``linears`` (so the weights come
+    from memory, as in a step) at the current thread count; 0 where either is missing."""
+    usable = [x for x in linears if x.panels is not None and x.pack is not None]
     if not usable or len(usable) < len(linears):
         return ROWS_KERNEL_MAX if usable else 0
     best = 0
-    for rows in range(1, ROWS_KERNEL_MAX + 1):
-        inputs = [
-            torch.randn(rows, lin.weight.shape[1]) for lin in usable if lin.weight is not None
-        ]
+    gen = torch.Generator().manual_seed(0)
+    for rows in ROWS_MEASURED:
+        inputs = [torch.randn(rows, lin.in_features, generator=gen) for lin in usable]
         times = []
-        for limit in (ROWS_KERNEL_MAX, 0):  # linear_rows, then oneDNN
+        for limit in (ROWS_KERNEL_MAX, 0):  # linear_panels, then oneDNN
             chosen = [dataclasses.replace(lin, rows_max=limit) for lin in usable]
             fastest = float("inf")
             for _ in range(repeats + 1):  # the first pass warms up
@@ -123,12 +128,9 @@ def make_linear(
 
     ``matmul_dtype`` (``bfloat16``): keep the weight in that dtype (half the bytes a step
     reads) and multiply on oneDNN (input rounded too, float32 accumulation; twice the FMA
-    rate where the CPU has AVX-512 BF16) or, for few rows, ``linear_rows`` (float32 input);
-    the plain projection where oneDNN cannot pack.
+    rate where the CPU has AVX-512 BF16) or, for few rows, ``linear_panels`` (float32
+    input); the plain projection where oneDNN cannot pack.
     """
-    in_features = weight.shape[1]
-    fits = in_features % 16 == 0  # linear_rows' shape rule
-    kernels = ops if ops is not None and fits else None
     weight = weight.detach().contiguous()
     pack, low = None, None
     if matmul_dtype is not None and matmul_dtype != weight.dtype:
@@ -138,5 +140,8 @@ def make_linear(
             low, weight = matmul_dtype, rounded
             bias = None if bias is None else bias.detach().to(low)
     pack = pack if pack is not None else _onednn_pack(weight)
-    keep = pack is None or kernels is not None
-    return Linear(weight if keep else None, bias, pack, kernels, matmul_dtype=low)
+    panels = ops.pack_panels(weight) if ops is not None and weight.device.type == "cpu" else None
+    out_features, in_features = weight.shape
+    kernels = ops if panels is not None else None
+    plain = weight if pack is None else None  # F.linear's, above ``rows_max`` rows
+    return Linear(plain, bias, pack, out_features, in_features, panels, kernels, matmul_dtype=low)

@@ -7,8 +7,8 @@ module runs that shape directly on a step's tokens packed in one row ``[N]``, fr
 weights of the loaded transformers model (shared, not copied, except the fused ones):
 
 - q, k and v are one matmul (their weights concatenated once at start), gate and up one;
-  on the CPU every matmul runs on a oneDNN-packed copy of its weight, or for one or two
-  rows on kvtier's ``linear_rows`` kernel (``Linear``);
+  on the CPU every matmul runs on a oneDNN-packed copy of its weight, or for a decode
+  batch's few rows on kvtier's ``linear_panels`` kernel (``Linear``);
 - RoPE's cos/sin come from the model's own rotary module, once per step for every layer;
 - the decode rows of seated sequences are attended with one call per layer
   (``kvtier.runtime.DecodeBatch``); the other spans' K/V go to their
@@ -106,7 +106,7 @@ class LlamaModel:
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
         layers = [self._fuse(layer) for layer in base.layers]
-        # linear_rows against oneDNN, measured here on the MLP's weights (the bulk of them),
+        # linear_panels against oneDNN, measured here on the MLP's weights (the bulk of them),
         # once per model and thread count in a process
         measured = MEASURED_ROWS.setdefault(model, {})
         threads = torch.get_num_threads()

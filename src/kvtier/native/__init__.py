@@ -37,8 +37,14 @@ from kvtier.models import cache_root
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_ops.cpp", _HERE / "attend_prefill.cpp", _HERE / "codec_ops.cpp")
-HEADERS = (_HERE / "vec.h",)
+SOURCES = (
+    _HERE / "cpu_ops.cpp",
+    _HERE / "attend_prefill.cpp",
+    _HERE / "codec_ops.cpp",
+    _HERE / "linear_ops.cpp",
+    _HERE / "pool.cpp",
+)
+HEADERS = (_HERE / "vec.h", _HERE / "pool.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 ENV_SWITCH = "KVTIER_NATIVE"

@@ -3,7 +3,7 @@
 // Built once per machine by kvtier.native (torch.utils.cpp_extension, cached on disk).
 // Every operator checks its inputs and raises a c10::Error (a Python RuntimeError) on a
 // mismatch; the Python side only calls them on float32 CPU tensors of the shapes below.
-// Threads: at::parallel_for, i.e. torch's own OpenMP pool and thread count.
+// Threads: kvtier_pool (pool.h): a decode step's few rows on kvtier's helpers, more on torch's pool.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "pool.h"
 #include "vec.h"
 
 namespace {
@@ -152,7 +153,7 @@ void merge_rows(int64_t num_rows, const std::vector<int64_t>& first, HeadOf head
   const int64_t part = dim + 2;
   float* op = out.data_ptr<float>();
   const int64_t merges = num_rows * q_heads;
-  at::parallel_for(0, merges, threads ? 1 : std::max<int64_t>(merges, 1),
+  kvtier_pool::parallel_for(0, merges, threads ? 1 : std::max<int64_t>(merges, 1),
                    [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {
       const int64_t r = x / q_heads, hq = x % q_heads, h = hq / groups, g = hq % groups;
@@ -277,7 +278,7 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
   int64_t total_keys = 0;
   for (const Item& it : items) total_keys += it.len;
   const int64_t grain = total_keys < kSerialKeys ? std::max<int64_t>(num_items, 1) : 1;
-  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+  kvtier_pool::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q(groups * dim), scores(groups * kBlockTokens);
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
@@ -354,7 +355,7 @@ void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots
   const float* qp = query.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const bool threads = num_rows * n * tokens >= kSerialKeys;
-  at::parallel_for(0, num_items, threads ? 1 : std::max<int64_t>(num_items, 1),
+  kvtier_pool::parallel_for(0, num_items, threads ? 1 : std::max<int64_t>(num_items, 1),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> q(groups * dim), scores(groups * kBlockTokens);
     for (int64_t i = begin; i < end; ++i) {
@@ -397,7 +398,7 @@ at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double e
   const float* rp = residual != nullptr ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  kvtier_pool::parallel_for_rows(n, 0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* row = xp + i * width;
       if (rp != nullptr) {
@@ -440,7 +441,7 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  kvtier_pool::parallel_for_rows(n, 0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* c = cp + i * dim;
       const float* s = sp + i * dim;
@@ -467,7 +468,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor y = at::empty({n, width}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 4, [=](int64_t begin, int64_t end) {
+  kvtier_pool::parallel_for_rows(n, 0, n, 4, [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       silu_mul_row(gp + i * 2 * width, gp + i * 2 * width + width, yp + i * width, width);
     }
@@ -475,90 +476,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-
-// linear_rows: y [M, O] = x [M, I] w[O, I]^T (+ bias [O]) for a few rows M, every weight
-// row read from memory once, in order: each thread walks its contiguous share of the output
-// rows one weight row at a time (a single sequential stream, which the hardware prefetcher
-// follows best), computing that row's dot product with up to 6 input rows at once (the
-// input rows stay in L1). Measured on the 2-core AMD EPYC over SmolLM2-135M's 121
-// projections at M = 1: 15 % faster than the earlier blocks of 4 weight rows (four
-// interleaved streams), within 5 % of torch's read-only sum over the same weights.
-// x float32; w and bias float32 or bfloat16 (widened exactly to float32 as they are read,
-// so a bf16 weight is half the bytes; the products and sums are float32); all contiguous;
-// I a multiple of 16.
-template <int R, typename W>
-inline void rows_dot(const float* x, int64_t in, const W* w, float* y, int64_t out_n,
-                     float bias) {
-  vfloat acc[R][2] = {};
-  int64_t i = 0;
-  for (; i + 2 * kLanes <= in; i += 2 * kLanes) {
-    const vfloat w0 = load(w + i), w1 = load(w + i + kLanes);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] += load(x + r * in + i) * w0;
-      acc[r][1] += load(x + r * in + i + kLanes) * w1;
-    }
-  }
-  if (i < in) {  // one vector left (I is a multiple of 16)
-    const vfloat w0 = load(w + i);
-    for (int r = 0; r < R; ++r) acc[r][0] += load(x + r * in + i) * w0;
-  }
-  for (int r = 0; r < R; ++r) y[r * out_n] = lane_sum(acc[r][0] + acc[r][1]) + bias;
-}
-
-template <typename W, typename B>
-void linear_rows_of(const float* xp, const W* wp, const B* bp, float* yp, int64_t rows,
-                    int64_t in, int64_t out_n) {
-  at::parallel_for(0, out_n, 32, [=](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const W* wr = wp + o * in;
-      const float b = bp != nullptr ? to_float(bp[o]) : 0.f;
-      for (int64_t r = 0; r < rows; r += 6) {
-        const float* xr = xp + r * in;
-        float* yr = yp + r * out_n + o;
-        switch (std::min<int64_t>(6, rows - r)) {
-          case 1: rows_dot<1>(xr, in, wr, yr, out_n, b); break;
-          case 2: rows_dot<2>(xr, in, wr, yr, out_n, b); break;
-          case 3: rows_dot<3>(xr, in, wr, yr, out_n, b); break;
-          case 4: rows_dot<4>(xr, in, wr, yr, out_n, b); break;
-          case 5: rows_dot<5>(xr, in, wr, yr, out_n, b); break;
-          default: rows_dot<6>(xr, in, wr, yr, out_n, b); break;
-        }
-      }
-    }
-  });
-}
-
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
-                       const c10::optional<at::Tensor>& bias) {
-  const auto wtype = w.scalar_type();
-  const bool bf16 = wtype == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.is_contiguous() && w.is_contiguous() &&
-                  x.scalar_type() == at::kFloat && (wtype == at::kFloat || bf16),
-              "linear_rows: x [M, I] (float32) and w [O, I] (float32 or bfloat16) must be "
-              "contiguous");
-  const int64_t rows = x.size(0), in = x.size(1), out_n = w.size(0);
-  TORCH_CHECK(w.size(1) == in && in % kLanes == 0,
-              "linear_rows: w must be [O, I] with I a multiple of 16");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == wtype &&
-                    bias->numel() == out_n,
-                "linear_rows: bias must be a contiguous [O] of the weight's dtype");
-  }
-  at::Tensor y = at::empty({rows, out_n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (bf16) {
-    const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    const auto* bp =
-        has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
-    linear_rows_of(xp, wp, bp, yp, rows, in, out_n);
-  } else {
-    const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-    linear_rows_of(xp, w.data_ptr<float>(), bp, yp, rows, in, out_n);
-  }
-  return y;
-}
 
 }  // namespace
 
@@ -571,7 +488,6 @@ TORCH_LIBRARY(kvtier_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def(
       "attend_slots(Tensor pool, int layer, Tensor slots, Tensor query, Tensor(a!) out, "
       "Tensor(b!) lse, float scale) -> ()");
@@ -586,6 +502,5 @@ TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
-  m.impl("linear_rows", &linear_rows);
   m.impl("attend_slots", &attend_slots);
 }

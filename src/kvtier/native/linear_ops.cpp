@@ -1,0 +1,165 @@
+// kvtier's projection kernel for few rows (a decode batch): y [M, O] = x [M, I] W^T (+ b),
+// on the weight re-laid once as panels of 16 output features, registered as
+// torch.ops.kvtier_cpu.pack_panels / linear_panels.
+//
+// Layout: panels [P, I, 16], P = ceil(O / 16), panels[p, i, l] = W[16 p + l, i] (zero past
+// O): one panel is a contiguous run of I * 16 values, so a block of 3 panels is one
+// sequential stream (what the hardware prefetcher follows best). Each work item is such a
+// block; it is read from memory once per call and multiplied with every row of x from
+// registers: a tile of 8 rows x 48 outputs keeps 24 vector accumulators, and each k adds
+// x[r, k] (broadcast) times the 3 panel vectors at k. No horizontal sums; the inner loop
+// is 3 vector loads and 8 broadcasts for 24 FMAs. Rows past 8 take further passes over the
+// block while it is in L2.
+//
+// Measured on the 2-core AMD EPYC (Zen 4), every projection of SmolLM2-135M once (121
+// calls, 538 MB of weights), interleaved with torch's oneDNN on its packed weights (best
+// of 3): 1 row 15.0 ms against 27.1 (the earlier per-row dot kernel: 18.1), 8 rows 20.4
+// against 32.8, 16 rows 30.7 against 35.6, 32 rows 52.2 against 61.0, 64 rows 90.8
+// against 102.6. Blocking k or prefetching the next block measured no faster.
+//
+// Weights float32 or bfloat16 (widened exactly as read: half the bytes); x, bias and y
+// float32 (a bf16 bias is widened too); sums in float32, each output's k in order. Threads:
+// kvtier_pool::parallel_for_rows over panel blocks (pool.h). Inputs are checked.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "pool.h"
+#include "vec.h"
+
+namespace {
+
+using namespace kvtier_vec;
+
+constexpr int64_t kPanel = kLanes;  // output features per panel
+constexpr int kTileRows = 8;
+constexpr int kTilePanels = 3;
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "pack_panels: w must be [O, I], float32 or bfloat16");
+  const int64_t out_n = w.size(0), in = w.size(1);
+  const int64_t panels = (out_n + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({panels * kPanel, in}, w.options());
+  padded.narrow(0, 0, out_n).copy_(w);
+  // [P, 16, I] -> [P, I, 16]
+  return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();
+}
+
+template <int R, int C, typename W>
+inline void tile(const float* x, int64_t in, const W* w, float* y, int64_t out_n, int64_t col,
+                 const float* bias) {
+  vfloat acc[R][C] = {};
+  const int64_t stride = in * kPanel;  // one panel
+  for (int64_t k = 0; k < in; ++k) {
+    vfloat wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load(w + c * stride + k * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const vfloat xb = vfloat{} + x[r * in + k];
+      for (int c = 0; c < C; ++c) acc[r][c] += xb * wv[c];
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t first = col + c * kPanel;
+    const int64_t lanes = std::min<int64_t>(kPanel, out_n - first);
+    vfloat b{};
+    if (bias != nullptr) {
+      for (int64_t l = 0; l < lanes; ++l) b[l] = bias[first + l];
+    }
+    for (int r = 0; r < R; ++r) {
+      const vfloat v = acc[r][c] + b;
+      float* dst = y + r * out_n + first;
+      if (lanes == kPanel) {
+        store(dst, v);
+      } else {
+        for (int64_t l = 0; l < lanes; ++l) dst[l] = v[l];
+      }
+    }
+  }
+}
+
+template <int C, typename W>
+inline void rows_tile(int64_t rows, const float* x, int64_t in, const W* w, float* y,
+                      int64_t out_n, int64_t col, const float* bias) {
+  switch (rows) {
+    case 1: tile<1, C>(x, in, w, y, out_n, col, bias); break;
+    case 2: tile<2, C>(x, in, w, y, out_n, col, bias); break;
+    case 3: tile<3, C>(x, in, w, y, out_n, col, bias); break;
+    case 4: tile<4, C>(x, in, w, y, out_n, col, bias); break;
+    case 5: tile<5, C>(x, in, w, y, out_n, col, bias); break;
+    case 6: tile<6, C>(x, in, w, y, out_n, col, bias); break;
+    case 7: tile<7, C>(x, in, w, y, out_n, col, bias); break;
+    default: tile<kTileRows, C>(x, in, w, y, out_n, col, bias); break;
+  }
+}
+
+template <typename W>
+void linear_panels_of(const float* x, const W* w, const float* bias, float* y, int64_t rows,
+                      int64_t in, int64_t out_n, int64_t panels) {
+  const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
+  kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t p = b * kTilePanels;
+      const int64_t count = std::min<int64_t>(kTilePanels, panels - p);
+      const W* wb = w + p * in * kPanel;
+      for (int64_t r = 0; r < rows; r += kTileRows) {
+        const int64_t n = std::min<int64_t>(kTileRows, rows - r);
+        const float* xr = x + r * in;
+        float* yr = y + r * out_n;
+        if (count == 3) {
+          rows_tile<3>(n, xr, in, wb, yr, out_n, p * kPanel, bias);
+        } else if (count == 2) {
+          rows_tile<2>(n, xr, in, wb, yr, out_n, p * kPanel, bias);
+        } else {
+          rows_tile<1>(n, xr, in, wb, yr, out_n, p * kPanel, bias);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
+                         const c10::optional<at::Tensor>& bias, int64_t out_n) {
+  const auto wtype = panels.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "linear_panels: x must be a contiguous float32 [M, I]");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
+                  (wtype == at::kFloat || wtype == at::kBFloat16),
+              "linear_panels: panels must be pack_panels' contiguous [P, I, 16] (float32 or "
+              "bfloat16)");
+  const int64_t rows = x.size(0), in = x.size(1), count = panels.size(0);
+  TORCH_CHECK(panels.size(1) == in && out_n > 0 && (out_n + kPanel - 1) / kPanel == count,
+              "linear_panels: panels [P, I, 16] must match x's I and hold out_features");
+  at::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == out_n,
+                "linear_panels: bias must be [out_features]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({rows, out_n}, x.options());
+  const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  if (wtype == at::kBFloat16) {
+    const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+    linear_panels_of(x.data_ptr<float>(), wp, bp, y.data_ptr<float>(), rows, in, out_n, count);
+  } else {
+    linear_panels_of(x.data_ptr<float>(), panels.data_ptr<float>(), bp, y.data_ptr<float>(),
+                     rows, in, out_n, count);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtier_cpu, m) {
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
+  m.impl("pack_panels", &pack_panels);
+  m.impl("linear_panels", &linear_panels);
+}
