@@ -78,18 +78,24 @@ def run_serve_client(
     return dict(json.loads(path.read_text()))
 
 
-def serve_figures(result: dict[str, Any]) -> dict[str, float | int | None]:
-    """The figures of one client result file that the table and summary use."""
+def serve_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one client result file that the table and summary use. A run where a
+    request failed has no ``output_tps`` (the client divides the completed ones' tokens by a
+    shorter wall, which would read as a speed-up); ``errors`` keeps its distinct messages."""
 
     def number(key: str) -> float | None:
         value = result.get(key)
         return float(value) if isinstance(value, int | float) else None
 
+    failed = int(result.get("failed") or 0)
+    errors = sorted({str(e)[-300:] for e in result.get("errors") or [] if e})
     return {
         "wall_s": number("duration"),
         "completed": int(result.get("completed") or 0),
+        "failed": failed,
+        "errors": errors[:3],
         "output_tokens": int(result.get("total_output_tokens") or 0),
-        "output_tps": number("output_throughput"),
+        "output_tps": number("output_throughput") if failed == 0 else None,
         "median_tpot_ms": number("median_tpot_ms"),
         "median_ttft_ms": number("median_ttft_ms"),
     }

@@ -247,7 +247,15 @@ def run_servers(
                 print(f"  [{threads}t] serve x{args.serve_prompts} on {name}…", flush=True)
                 argv = client(servers[name].port, folder, args.serve_prompts, 512, 64, 16)
                 raw = run_serve_client(venv, argv, args.seed + r, workdir, args.timeout_s)
-                cases["serve"][name].append(serve_figures(raw))
+                figures = serve_figures(raw)
+                cases["serve"][name].append(figures)
+                if figures["failed"]:
+                    print(
+                        f"  [{threads}t] {name}: {figures['failed']} of {args.serve_prompts} "
+                        f"requests failed (no tok/s counted; logs kept in {workdir}): "
+                        f"{figures['errors'][:1]}",
+                        flush=True,
+                    )
             prompt = random_ids(args.context, args.seed, r, 1)
             for name in SYSTEMS:
                 print(f"  [{threads}t] {args.context}-token prompt on {name}…", flush=True)
@@ -405,7 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     info = header()
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
     runs = [run_threads(args, t, venv, folder, workdir) for t in args.threads]
-    shutil.rmtree(workdir, ignore_errors=True)
+    failed = any(
+        case["failed"]
+        for run in runs
+        for by_system in run["cases"]["serve"].values()
+        for case in by_system
+    )
+    if not failed:  # else the servers' and the client's logs stay for a look
+        shutil.rmtree(workdir, ignore_errors=True)
     for run in runs:
         print_table(run)
     main_run = runs[0]

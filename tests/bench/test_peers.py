@@ -56,12 +56,29 @@ def test_serve_figures_reads_a_client_result_file() -> None:
     assert figures == {
         "wall_s": 55.6,
         "completed": 32,
+        "failed": 0,
+        "errors": [],
         "output_tokens": 2048,
         "output_tps": 36.8,
         "median_tpot_ms": 141.0,
         "median_ttft_ms": 900.0,
     }
     assert serve_figures({})["output_tps"] is None
+
+
+def test_a_serving_run_with_failed_requests_counts_no_speed() -> None:
+    """13 of 32 completed in 15.8 s reads as 52.7 tok/s; it is no serving speed."""
+    raw = {
+        "duration": 15.8,
+        "completed": 13,
+        "failed": 19,
+        "total_output_tokens": 832,
+        "output_throughput": 52.7,
+        "errors": ["", "Bad Request", "Bad Request", "Traceback ... ClientPayloadError"],
+    }
+    figures = serve_figures(raw)
+    assert figures["output_tps"] is None and figures["failed"] == 19
+    assert figures["errors"] == ["Bad Request", "Traceback ... ClientPayloadError"]
 
 
 def test_summary_arithmetic() -> None:
