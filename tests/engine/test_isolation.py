@@ -4,6 +4,7 @@ with different salts never share KV."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -56,8 +57,8 @@ def test_a_failing_generator_set_up_fails_alone(
         check_alone(model, engine, poison, "generator set-up fault")
 
 
-def test_a_failing_sample_fails_alone(
-    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+def test_a_failing_sample_fails_alone_and_is_logged(
+    model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def faulty(logits: torch.Tensor, params: SamplingParams, generator: Any = None) -> int:
         if params.seed == POISON_SEED:
@@ -67,7 +68,11 @@ def test_a_failing_sample_fails_alone(
     monkeypatch.setattr(postprocess_module, "sample", faulty)
     with Engine(model, tokenizer, engine_config()) as engine:
         poison = SamplingParams(temperature=1, seed=POISON_SEED, max_tokens=8)
-        check_alone(model, engine, poison, "sampling fault")
+        with caplog.at_level(logging.ERROR, logger="kvtier.engine.scheduler"):
+            check_alone(model, engine, poison, "sampling fault")
+    (record,) = [r for r in caplog.records if r.name == "kvtier.engine.scheduler"]
+    assert "failed: RuntimeError('sampling fault')" in record.getMessage()
+    assert record.exc_info is not None  # the operator gets the traceback
 
 
 def test_a_failing_stop_string_check_fails_alone(

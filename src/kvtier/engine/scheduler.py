@@ -334,6 +334,7 @@ class BatchScheduler:
                 return
             self._fail(seq, exc)
             return
+        log.warning("a step of %d failed (%r); each retries alone", len(seqs), exc, exc_info=exc)
         for seq in reversed(seqs):
             seq.wait_again(suspect=True)
             self.preempted.appendleft(seq)
@@ -383,6 +384,8 @@ class BatchScheduler:
         seq.handle.put(TokenEvent(seq.handle.request_id, None, "", True, "cancelled"))
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """End ``seq`` with ``exc``, logged with its traceback for the operator."""
+        log.error("request %s failed: %r", seq.handle.request_id, exc, exc_info=exc)
         self.metrics.add("failed")
         seq.handle.fail(exc)
         self._publish()
