@@ -97,3 +97,49 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
         child.kill()
         pytest.fail("the forked child's kernel call hung")
     assert child.exitcode == 0 and queue.get(timeout=5) is True
+
+
+def test_the_split_never_changes_the_bits() -> None:
+    """Parts go to whichever thread claims them first, and their number follows the thread
+    count: every operator computes each output on one thread, so the bits stay the same."""
+    x, _, panels = _case(3, rows=9)
+    gen = torch.Generator().manual_seed(3)
+    h, weight = torch.randn(40, 576, generator=gen), torch.randn(576, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 4, 2):
+            torch.set_num_threads(threads)
+            for _ in range(20):  # claims race differently call to call
+                outs.append(
+                    (_ops().linear_panels(x, panels, None, 200), _ops().rms_norm(h, weight, 1e-5))
+                )
+    finally:
+        torch.set_num_threads(before)
+    for linear, norm in outs:
+        assert torch.equal(linear, outs[0][0]) and torch.equal(norm, outs[0][1])
+
+
+def test_a_caller_is_not_held_by_a_busy_core() -> None:
+    """With another process spinning on a core, the caller takes the parts its helper has
+    not claimed: every call completes with the right result (the old static split made the
+    caller spin out its time slice for a helper that had no core)."""
+    x, w, panels = _case(4, rows=8)
+    want = F.linear(x, w)
+    context = multiprocessing.get_context("spawn")
+    hog = context.Process(target=_spin, args=(5.0,))
+    hog.start()
+    try:
+        for _ in range(2000):
+            torch.testing.assert_close(_ops().linear_panels(x, panels, None, 200), want)
+    finally:
+        hog.kill()
+        hog.join()
+
+
+def _spin(seconds: float) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass

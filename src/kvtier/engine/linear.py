@@ -73,10 +73,17 @@ MEASURED_ROWS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyD
 """``rows_kernel_max`` per model and torch thread count, measured once in a process."""
 
 
-def rows_kernel_max(linears: list[Linear], repeats: int = 2) -> int:
+def rows_kernel_max(linears: list[Linear], blocks: int = 2, passes: int = 1) -> int:
     """The most rows (0 or one of ``ROWS_MEASURED``) up to which ``linear_panels`` beat
     oneDNN at every count measured, timed through all of ``linears`` (so the weights come
-    from memory, as in a step) at the current thread count; 0 where either is missing."""
+    from memory, as in a step) at the current thread count; 0 where either is missing.
+
+    The two take turns in ``blocks``, each a warm-up pass then ``passes`` timed ones, and
+    keep their fastest: a burst of load from elsewhere slows both rather than deciding for
+    one, and neither is timed just after the other. (On the first thread, oneDNN's OpenMP
+    team spins about 6 ms after its last region, on the core kvtier's pool needs: 60
+    projections on one row took 11.5 ms after a pass of ``linear_panels`` and 17.5-19 ms
+    just after a oneDNN pass.)"""
     usable = [x for x in linears if x.panels is not None and x.pack is not None]
     if not usable or len(usable) < len(linears):
         return ROWS_KERNEL_MAX if usable else 0
@@ -84,17 +91,20 @@ def rows_kernel_max(linears: list[Linear], repeats: int = 2) -> int:
     gen = torch.Generator().manual_seed(0)
     for rows in ROWS_MEASURED:
         inputs = [torch.randn(rows, lin.in_features, generator=gen) for lin in usable]
-        times = []
-        for limit in (ROWS_KERNEL_MAX, 0):  # linear_panels, then oneDNN
-            chosen = [dataclasses.replace(lin, rows_max=limit) for lin in usable]
-            fastest = float("inf")
-            for _ in range(repeats + 1):  # the first pass warms up
-                start = time.perf_counter()
-                for lin, x in zip(chosen, inputs, strict=True):
-                    lin(x)
-                fastest = min(fastest, time.perf_counter() - start)
-            times.append(fastest)
-        if times[0] >= times[1]:
+        kinds = [
+            [dataclasses.replace(lin, rows_max=limit) for lin in usable]
+            for limit in (ROWS_KERNEL_MAX, 0)  # linear_panels, oneDNN
+        ]
+        fastest = [float("inf"), float("inf")]
+        for _ in range(blocks):
+            for kind, chosen in enumerate(kinds):
+                for timed in range(passes + 1):
+                    start = time.perf_counter()
+                    for lin, x in zip(chosen, inputs, strict=True):
+                        lin(x)
+                    if timed:
+                        fastest[kind] = min(fastest[kind], time.perf_counter() - start)
+        if fastest[0] >= fastest[1]:
             break
         best = rows
     return best

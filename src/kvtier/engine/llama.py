@@ -30,6 +30,7 @@ sequences' KV through the runtime.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ import torch.nn.functional as F
 from kvtier import native
 from kvtier.engine.linear import MEASURED_ROWS, Linear, make_linear, rows_kernel_max
 from kvtier.runtime import DecodeBatch, PackedKV, SequenceKV, attend_packed
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose transformers modelling has exactly the shape this module runs."""
@@ -113,6 +116,11 @@ class LlamaModel:
         if threads not in measured:
             measured[threads] = rows_kernel_max(
                 [x for layer in layers for x in (layer.gate_up, layer.down)]
+            )
+            log.info(
+                "linear_panels up to %d rows at %d threads (oneDNN above)",
+                measured[threads],
+                threads,
             )
         self.rows_kernel_max = measured[threads]
         rows = self.rows_kernel_max

@@ -1,4 +1,4 @@
-// kvtier_pool (pool.h): the helpers, their hand-off and their idle spin.
+// kvtier_pool (pool.h): the helpers, how they claim parts of a call, and how they wait.
 
 #include "pool.h"
 
@@ -17,7 +17,9 @@
 namespace kvtier_pool {
 namespace {
 
-constexpr int64_t kSpinMicros = 500;  // a helper's spin after its last task, then sleep
+constexpr int64_t kSpinMicros = 500;      // a helper's spin after its last part, then sleep
+constexpr int64_t kCallerSpinMicros = 20;  // the caller's spin for others' parts, then sleep
+constexpr int64_t kPartsPerThread = 4;     // a late helper leaves the rest to the others
 
 inline void relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -25,68 +27,92 @@ inline void relax() {
 #endif
 }
 
-struct Task {
+using Clock = std::chrono::steady_clock;
+
+// The claim word: generation (32 bits) | parts (16) | next unclaimed part (16).
+constexpr uint64_t kNextMask = 0xFFFF, kPartsShift = 16, kGenShift = 32;
+inline uint32_t gen_of(uint64_t c) { return static_cast<uint32_t>(c >> kGenShift); }
+inline int64_t parts_of(uint64_t c) { return static_cast<int64_t>((c >> kPartsShift) & kNextMask); }
+inline int64_t next_of(uint64_t c) { return static_cast<int64_t>(c & kNextMask); }
+
+struct Task {  // written by the caller before it publishes a generation; read-only after
   Body body = nullptr;
   const void* context = nullptr;
   int64_t begin = 0, end = 0, chunk = 0;
-  int parts = 0;
 };
 
 // Never freed: helpers may still spin on it while static objects are destroyed at exit.
 struct Pool {
   std::mutex submit;  // held by the one caller using the helpers
-  std::mutex sleep_lock;
-  std::condition_variable wake;
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int> pending{0};   // helpers yet to finish the current generation
+  std::atomic<uint64_t> claim{0};
+  std::atomic<int64_t> done{0};  // parts finished in the current generation
+  Task task;
+  uint32_t generation = 0;  // the caller's count (under submit)
+  std::mutex sleep_lock;    // helpers waiting for a generation; the caller for the last part
+  std::condition_variable wake, finished;
   std::atomic<int> sleepers{0};
+  std::atomic<bool> caller_asleep{false};
   std::atomic<int> helpers{0};
-  Task task;                      // written by the caller before the generation moves
-  std::exception_ptr error;       // the first helper error of the current generation
+  std::exception_ptr error;  // the first error of the current generation
   std::mutex error_lock;
 };
 
 std::atomic<Pool*> g_pool{new Pool()};
 thread_local bool t_in_task = false;
 
-void run_part(Pool* p, const Task& t, int part) {
+void run_part(Pool* p, int64_t part) {
+  const Task& t = p->task;
   const int64_t b = t.begin + part * t.chunk;
-  if (part >= t.parts || b >= t.end) return;
-  t_in_task = true;
-  try {
-    t.body(t.context, b, std::min(t.end, b + t.chunk));
-  } catch (...) {
-    std::lock_guard<std::mutex> g(p->error_lock);
-    if (!p->error) p->error = std::current_exception();
+  if (b < t.end) {
+    t_in_task = true;
+    try {
+      t.body(t.context, b, std::min(t.end, b + t.chunk));
+    } catch (...) {
+      std::lock_guard<std::mutex> g(p->error_lock);
+      if (!p->error) p->error = std::current_exception();
+    }
+    t_in_task = false;
   }
-  t_in_task = false;
 }
 
-void helper_loop(Pool* p, int index, uint64_t seen) {  // seen: the generation at its start
+// Claim and run parts of generation ``gen`` until none is left (or a newer one started).
+void claim_parts(Pool* p, uint32_t gen) {
+  uint64_t c = p->claim.load(std::memory_order_acquire);
+  while (gen_of(c) == gen && next_of(c) < parts_of(c)) {
+    if (!p->claim.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
+    const int64_t parts = parts_of(c);
+    run_part(p, next_of(c));
+    if (p->done.fetch_add(1) + 1 == parts && p->caller_asleep.load()) {
+      { std::lock_guard<std::mutex> g(p->sleep_lock); }
+      p->finished.notify_one();
+    }
+    c = p->claim.load(std::memory_order_acquire);
+  }
+}
+
+void helper_loop(Pool* p, uint32_t seen) {  // seen: the generation at its start
   for (;;) {
-    const auto start = std::chrono::steady_clock::now();
+    const auto start = Clock::now();
     int64_t spins = 0;
-    while (p->generation.load(std::memory_order_acquire) == seen) {
+    while (gen_of(p->claim.load(std::memory_order_acquire)) == seen) {
       relax();
       if (++spins % 64 != 0) continue;
       sched_yield();  // let a runnable thread on this core go first
-      const auto idle = std::chrono::steady_clock::now() - start;
-      if (idle > std::chrono::microseconds(kSpinMicros)) {
+      if (Clock::now() - start > std::chrono::microseconds(kSpinMicros)) {
         std::unique_lock<std::mutex> lock(p->sleep_lock);
         p->sleepers.fetch_add(1);
-        p->wake.wait(lock, [&] { return p->generation.load() != seen; });
+        p->wake.wait(lock, [&] { return gen_of(p->claim.load()) != seen; });
         p->sleepers.fetch_sub(1);
       }
     }
-    seen = p->generation.load(std::memory_order_acquire);
-    run_part(p, p->task, index);
-    p->pending.fetch_sub(1, std::memory_order_acq_rel);
+    seen = gen_of(p->claim.load(std::memory_order_acquire));
+    claim_parts(p, seen);
   }
 }
 
 void grow(Pool* p, int wanted) {  // under p->submit
   for (int i = p->helpers.load(); i < wanted; ++i) {
-    std::thread(helper_loop, p, i + 1, p->generation.load()).detach();
+    std::thread(helper_loop, p, gen_of(p->claim.load())).detach();
     p->helpers.store(i + 1);
   }
 }
@@ -115,23 +141,41 @@ void run(int64_t begin, int64_t end, int64_t grain, Body body, const void* conte
     return;
   }
   grow(p, threads - 1);
-  const int helpers = p->helpers.load();
+  const int64_t most = std::min<int64_t>(threads * kPartsPerThread, kNextMask);
+  int64_t parts = std::min<int64_t>(most, (end - begin + grain - 1) / grain);
+  const int64_t chunk = (end - begin + parts - 1) / parts;
+  parts = (end - begin + chunk - 1) / chunk;  // none empty
   Task& t = p->task;
   t.body = body;
   t.context = context;
   t.begin = begin;
   t.end = end;
-  t.parts = static_cast<int>(std::min<int64_t>(helpers + 1, (end - begin + grain - 1) / grain));
-  t.chunk = (end - begin + t.parts - 1) / t.parts;
+  t.chunk = chunk;
   p->error = nullptr;
-  p->pending.store(helpers, std::memory_order_release);
-  p->generation.fetch_add(1);  // seq_cst: a helper going to sleep sees it or is counted
+  p->done.store(0);
+  const uint32_t gen = ++p->generation;
+  // seq_cst: a helper going to sleep sees the new generation or is counted in sleepers
+  p->claim.store((uint64_t{gen} << kGenShift) | (static_cast<uint64_t>(parts) << kPartsShift));
   if (p->sleepers.load() > 0) {
     { std::lock_guard<std::mutex> g(p->sleep_lock); }
     p->wake.notify_all();
   }
-  run_part(p, t, 0);
-  while (p->pending.load(std::memory_order_acquire) != 0) relax();
+  claim_parts(p, gen);
+  // Parts a helper claimed: spin briefly, then sleep so that this core is free for it (a
+  // helper pushed off its core by another process runs here sooner than it would there).
+  const auto start = Clock::now();
+  int64_t spins = 0;
+  while (p->done.load(std::memory_order_acquire) != parts) {
+    relax();
+    if (++spins % 64 != 0) continue;
+    if (Clock::now() - start > std::chrono::microseconds(kCallerSpinMicros)) {
+      std::unique_lock<std::mutex> lock(p->sleep_lock);
+      p->caller_asleep.store(true);
+      p->finished.wait(lock, [&] { return p->done.load() == parts; });
+      p->caller_asleep.store(false);
+      break;
+    }
+  }
   if (p->error) std::rethrow_exception(p->error);
 }
 
