@@ -13,6 +13,7 @@ import torch
 from kvtier import native
 from kvtier.codec import get_codec
 from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.engine.linear import MEASURED_ROWS
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner, ModelRunner, make_runner
 from kvtier.kv.layout import KVLayout
@@ -119,6 +120,50 @@ def test_contexts_past_the_device_budget_stay_exact(
     placed = "host" if on_host else "stream"
     assert merged[placed] > 0 or native.ops() is None  # the batched kernel took the rows
     assert merged["stream" if on_host else "host"] == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama (bias, rope scaling)"])
+def test_one_call_for_a_decode_steps_layers_gives_the_loops_bits(
+    name: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvtier_cpu::decode_layers`` (every layer of a decode-only step in one call) and the
+    layer loop give the same logits, bit for bit, at every step of a batched generation."""
+    if native.ops() is None:
+        pytest.skip("kvtier's CPU kernels are not built here")
+    fused_steps: list[bool] = []
+    original = LlamaModel._decode_layers
+
+    def recording(self: LlamaModel, *args: Any) -> bool:
+        fused_steps.append(original(self, *args))
+        return fused_steps[-1]
+
+    monkeypatch.setattr(LlamaModel, "_decode_layers", recording)
+    model = family_model(name, tokenizer)
+    MEASURED_ROWS[model] = {torch.get_num_threads(): 64}  # linear_panels up to 64 rows
+    config = dataclasses.replace(engine_config(), runner="kvtier")
+    logits: dict[bool, list[torch.Tensor]] = {}
+    for fuse in (True, False):
+        steps: list[torch.Tensor] = []
+        with Engine(model, tokenizer, config) as engine:
+            assert isinstance(engine.runner, LlamaRunner)
+            llama = engine.runner.llama
+            assert llama.decode_weights is not None
+            llama.fuse_decode = fuse
+            forward = llama.forward
+
+            def keep(*args: Any, forward: Any = forward, steps: Any = steps) -> torch.Tensor:
+                out: torch.Tensor = forward(*args)
+                steps.append(out.clone())
+                return out
+
+            monkeypatch.setattr(llama, "forward", keep)
+            for handle in [engine.submit(p, GREEDY) for p in prompts()]:
+                handle.result()
+        logits[fuse] = steps
+    assert any(fused_steps)  # decode steps took the one call
+    assert len(logits[True]) == len(logits[False])
+    for fused, looped in zip(logits[True], logits[False], strict=True):
+        assert torch.equal(fused, looped)
 
 
 def test_preemption_keeps_the_tokens(tokenizer: Any) -> None:

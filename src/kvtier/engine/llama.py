@@ -16,7 +16,10 @@ weights of the loaded transformers model (shared, not copied, except the fused o
 
 On a float32 CPU model with kvtier's CPU kernels (``kvtier.native``) each residual add is
 fused with the next RMSNorm, RoPE runs in place on the q/k projection output and SiLU·mul is
-one op (``_forward_native``); elsewhere the same steps run on torch's ops.
+one op (``_forward_native``); elsewhere the same steps run on torch's ops. A step whose every
+row is a seated decode row, with every projection on ``linear_panels``, runs all its layers
+in one call (``kvtier_cpu::decode_layers``: the same operators in the same order, so the
+same bits, without ~15 Python calls a layer).
 
 The arithmetic is transformers' (the same ops in the same order, fp32 norms; the kernels
 differ only in summation order and in a ~1 ulp ``exp``), so greedy tokens equal its
@@ -124,6 +127,8 @@ class LlamaModel:
             )
         self.rows_kernel_max = measured[threads]
         rows = self.rows_kernel_max
+        self.fuse_decode = True
+        """False: decode steps take the layer loop too (``decode_layers`` must equal it)."""
         self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
         self.layers = [
             dataclasses.replace(
@@ -135,6 +140,22 @@ class LlamaModel:
             )
             for layer in layers
         ]
+        # decode_layers' arguments: 6 weights and 4 biases per layer, or None (not every
+        # projection has panels, or Qwen3's per-head norms, which the op does not run)
+        self.decode_weights: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+        if self.ops is not None and all(
+            x.panels is not None and layer.q_norm is None
+            for layer in self.layers
+            for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ):
+            weights: list[torch.Tensor] = []
+            biases: list[torch.Tensor | None] = []
+            for layer in self.layers:
+                projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+                panels = [x.panels for x in projections if x.panels is not None]
+                weights += [layer.input_norm, panels[0], panels[1], layer.post_norm, *panels[2:]]
+                biases += [x.bias for x in projections]
+            self.decode_weights = (weights, biases)
 
     @staticmethod
     def why_not(model: Any) -> str | None:
@@ -224,6 +245,8 @@ class LlamaModel:
         batch, rest = DecodeBatch.collect(kvs, spans) if kvs is not None else (None, [])
         ops = self.ops if h.dtype == torch.float32 and h.device.type == "cpu" else None
         if ops is not None:
+            if self._decode_layers(ops, h, cos[0], sin[0], batch, rest):
+                return self.lm_head(ops.rms_norm(h[logit_rows], self.final_norm, self.eps))
             return self._forward_native(ops, h, cos[0], sin[0], kvs, spans, logit_rows, batch, rest)
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, D]
         for index, layer in enumerate(self.layers):
@@ -244,6 +267,47 @@ class LlamaModel:
             h = h + layer.down(self.act(gate) * up)
         h = self._norm(h[logit_rows], self.final_norm)
         return self.lm_head(h)
+
+    def _decode_layers(
+        self,
+        ops: Any,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: DecodeBatch | None,
+        rest: Sequence[int],
+    ) -> bool:
+        """Every layer of a decode-only step in one ``decode_layers`` call (``h`` mutated to
+        the last layer's output); False, nothing done, where the step does not qualify."""
+        fused = self.decode_weights
+        if (
+            fused is None
+            or not self.fuse_decode
+            or batch is None
+            or rest
+            or not batch.native_only
+            or h.shape[0] > self.rows_kernel_max
+        ):
+            return False
+        ops.decode_layers(
+            h,
+            cos,
+            sin,
+            fused[0],
+            fused[1],
+            batch.slab.data,
+            batch.seat_idx,
+            batch.tail_pos,
+            batch.lo,
+            batch.hi,
+            batch.rows,
+            self.num_heads,
+            self.num_kv_heads,
+            self.scale,
+            self.eps,
+        )
+        batch.done()
+        return True
 
     def _forward_native(
         self,

@@ -3,8 +3,10 @@
 
 ``ops()`` gives ``torch.ops.kvtier_cpu`` (decode attention over the seat slab, a prefill
 pass's causal attention, RMSNorm with and without a residual add, RoPE in place, SiLU·mul,
-a few-row matmul, the chunk codecs' encode and decode), or None where they cannot be had: the
-kernels are off (``KVTIER_NATIVE=0``), or the build failed (no C++ compiler or ``ninja``).
+a few-row matmul, a decode batch's every layer in one call (``decode_layers.cpp``, made of
+the others through ``ops.h``), the chunk codecs' encode and decode), or None where they
+cannot be had: the kernels are off (``KVTIER_NATIVE=0``), or the build failed (no C++
+compiler or ``ninja``).
 Callers then take their torch path; the reason is logged once and kept in ``status()``.
 
 The first call compiles the sources with ``torch.utils.cpp_extension`` (``-O3
@@ -43,8 +45,9 @@ SOURCES = (
     _HERE / "codec_ops.cpp",
     _HERE / "linear_ops.cpp",
     _HERE / "pool.cpp",
+    _HERE / "decode_layers.cpp",
 )
-HEADERS = (_HERE / "vec.h", _HERE / "pool.h")
+HEADERS = (_HERE / "vec.h", _HERE / "pool.h", _HERE / "ops.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 ENV_SWITCH = "KVTIER_NATIVE"

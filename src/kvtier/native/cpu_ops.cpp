@@ -16,6 +16,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "pool.h"
 #include "vec.h"
 
@@ -179,6 +180,12 @@ void merge_rows(int64_t num_rows, const std::vector<int64_t>& first, HeadOf head
     }
   });
 }
+
+}  // namespace
+
+namespace kvtier_ops {
+
+using namespace kvtier_vec;
 
 // decode_attend: the one-token attention of every decoding seat of one layer.
 //
@@ -477,7 +484,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 
-}  // namespace
+}  // namespace kvtier_ops
 
 TORCH_LIBRARY(kvtier_cpu, m) {
   m.def(
@@ -497,10 +504,10 @@ TORCH_LIBRARY(kvtier_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
-  m.impl("decode_attend", &decode_attend);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_", &rope_);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("attend_slots", &attend_slots);
+  m.impl("decode_attend", &kvtier_ops::decode_attend);
+  m.impl("rms_norm", &kvtier_ops::rms_norm);
+  m.impl("add_rms_norm", &kvtier_ops::add_rms_norm);
+  m.impl("rope_", &kvtier_ops::rope_);
+  m.impl("silu_mul", &kvtier_ops::silu_mul);
+  m.impl("attend_slots", &kvtier_ops::attend_slots);
 }

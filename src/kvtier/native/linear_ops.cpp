@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ops.h"
 #include "pool.h"
 #include "vec.h"
 
@@ -122,6 +123,10 @@ void linear_panels_of(const float* x, const W* w, const float* bias, float* y, i
   });
 }
 
+}  // namespace
+
+namespace kvtier_ops {
+
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
                          const c10::optional<at::Tensor>& bias, int64_t out_n) {
   const auto wtype = panels.scalar_type();
@@ -152,7 +157,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   return y;
 }
 
-}  // namespace
+}  // namespace kvtier_ops
 
 TORCH_LIBRARY_FRAGMENT(kvtier_cpu, m) {
   m.def("pack_panels(Tensor w) -> Tensor");
@@ -161,5 +166,5 @@ TORCH_LIBRARY_FRAGMENT(kvtier_cpu, m) {
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {
   m.impl("pack_panels", &pack_panels);
-  m.impl("linear_panels", &linear_panels);
+  m.impl("linear_panels", &kvtier_ops::linear_panels);
 }

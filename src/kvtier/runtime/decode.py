@@ -267,6 +267,16 @@ class DecodeBatch:
                 staging.release(index)
                 _merge_row(out, lse, row, part.reshape(1, -1, dim), part_lse.reshape(1, -1))
 
+    @property
+    def native_only(self) -> bool:
+        """Every row takes ``decode_attend`` alone (no hosted or streamed part to merge)."""
+        return self.ops is not None and not self.hosted and not self.streamed
+
+    def done(self) -> None:
+        """Record the passes complete after a caller ran every layer's ``decode_attend``
+        itself (``kvtier_cpu::decode_layers``)."""
+        self._finish(self.last_layer)
+
     def _finish(self, layer_idx: int) -> None:
         if layer_idx == self.last_layer:  # the passes are complete (end_forward checks)
             for kv in self.kvs:

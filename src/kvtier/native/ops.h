@@ -1,0 +1,36 @@
+// kvtier's CPU operators as C++ functions (kvtier_ops), for operators that compose them
+// (decode_layers.cpp) without a trip through Python or the dispatcher. Each is also
+// registered as torch.ops.kvtier_cpu.<name>; its contract (shapes, what it mutates,
+// threads) is the comment at its definition in cpu_ops.cpp or linear_ops.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace kvtier_ops {
+
+void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seats,
+                   const at::Tensor& tail_pos, const at::Tensor& lo, const at::Tensor& hi,
+                   const at::Tensor& rows, const at::Tensor& query, const at::Tensor& new_k,
+                   const at::Tensor& new_v, const at::Tensor& out,
+                   const std::optional<at::Tensor>& lse, double scale);
+
+void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots,
+                  const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse,
+                  double scale);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps);
+
+void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
+                         const std::optional<at::Tensor>& bias, int64_t out_n);
+
+}  // namespace kvtier_ops
