@@ -57,7 +57,13 @@ def test_filter_logits_top_k_and_top_p() -> None:
 
 def test_sample_greedy_seeded_and_within_the_filtered_set() -> None:
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
-    assert sample(logits, SamplingParams(temperature=0)) == int(logits.argmax())
+    greedy = SamplingParams(temperature=0)
+    assert sample(logits, greedy) == int(logits.argmax())
+    # ties and NaN pick what torch's argmax picks (the first maximum; the first NaN)
+    tied = torch.tensor([0.5, 2.0, -1.0, 2.0])
+    assert sample(tied, greedy) == int(tied.argmax()) == 1
+    poisoned = torch.tensor([0.5, float("nan"), 3.0, float("nan")])
+    assert sample(poisoned, greedy) == int(poisoned.argmax()) == 1
     params = SamplingParams(temperature=1.3, top_k=50, top_p=0.9, seed=11)
     draws = [sample(logits, params, make_generator(11)) for _ in range(3)]
     assert len(set(draws)) == 1  # same seed, same draw
