@@ -140,22 +140,22 @@ class LlamaModel:
             )
             for layer in layers
         ]
-        # decode_layers' arguments: 6 weights and 4 biases per layer, or None (not every
-        # projection has panels, or Qwen3's per-head norms, which the op does not run)
+        # decode_layers' arguments: 6 weights and 4 biases per layer, or None (no kernels,
+        # a projection without panels, or Qwen3's per-head norms, which the op does not run)
         self.decode_weights: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
-        if self.ops is not None and all(
-            x.panels is not None and layer.q_norm is None
-            for layer in self.layers
-            for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ):
+        if self.ops is not None and all(layer.q_norm is None for layer in self.layers):
             weights: list[torch.Tensor] = []
             biases: list[torch.Tensor | None] = []
             for layer in self.layers:
                 projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
                 panels = [x.panels for x in projections if x.panels is not None]
-                weights += [layer.input_norm, panels[0], panels[1], layer.post_norm, *panels[2:]]
+                if len(panels) < len(projections):
+                    break
+                qkv, o, gate_up, down = panels
+                weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
                 biases += [x.bias for x in projections]
-            self.decode_weights = (weights, biases)
+            else:
+                self.decode_weights = (weights, biases)
 
     @staticmethod
     def why_not(model: Any) -> str | None:
@@ -245,9 +245,9 @@ class LlamaModel:
         batch, rest = DecodeBatch.collect(kvs, spans) if kvs is not None else (None, [])
         ops = self.ops if h.dtype == torch.float32 and h.device.type == "cpu" else None
         if ops is not None:
-            if self._decode_layers(ops, h, cos[0], sin[0], batch, rest):
-                return self.lm_head(ops.rms_norm(h[logit_rows], self.final_norm, self.eps))
-            return self._forward_native(ops, h, cos[0], sin[0], kvs, spans, logit_rows, batch, rest)
+            if not self._decode_layers(ops, h, cos[0], sin[0], batch, rest):
+                self._forward_native(ops, h, cos[0], sin[0], kvs, spans, batch, rest)
+            return self.lm_head(ops.rms_norm(h[logit_rows], self.final_norm, self.eps))
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, D]
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
@@ -317,13 +317,13 @@ class LlamaModel:
         sin: torch.Tensor,
         kvs: Sequence[SequenceKV] | None,
         spans: Sequence[tuple[int, int]],
-        logit_rows: torch.Tensor,
         batch: DecodeBatch | None,
         rest: Sequence[int],
-    ) -> torch.Tensor:
-        """``forward`` on kvtier's CPU kernels (float32): each residual add fused with the
-        next RMSNorm, RoPE in place on the q/k projections' output, SiLU·mul in one op.
-        ``h [N, H]`` (mutated: it is the residual stream); ``cos``/``sin [N, D]``."""
+    ) -> None:
+        """``forward``'s layers on kvtier's CPU kernels (float32): each residual add fused
+        with the next RMSNorm, RoPE in place on the q/k projections' output, SiLU·mul in one
+        op. ``h [N, H]`` (mutated to the last layer's output: it is the residual stream);
+        ``cos``/``sin [N, D]``."""
         n = h.shape[0]
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         eps = self.eps
@@ -344,7 +344,6 @@ class LlamaModel:
                 x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
             else:
                 h += down
-        return self.lm_head(ops.rms_norm(h[logit_rows], self.final_norm, eps))
 
     def _attend(
         self,

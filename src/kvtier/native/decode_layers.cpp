@@ -25,7 +25,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <vector>
 
 #include "ops.h"
 
@@ -52,8 +51,7 @@ void decode_layers(const at::Tensor& h, const at::Tensor& cos, const at::Tensor&
   const int64_t n = h.size(0), hidden = h.size(1), dim = slab.size(6);
   const int64_t q_width = num_heads * dim, kv_width = num_kv_heads * dim;
   auto bias = [&](int64_t layer, int64_t which) -> std::optional<at::Tensor> {
-    std::optional<at::Tensor> b = biases.get(layer * kBiasesPerLayer + which);
-    return b.has_value() && b->defined() ? b : std::nullopt;
+    return biases.get(layer * kBiasesPerLayer + which);  // linear_panels takes None as none
   };
   auto weight = [&](int64_t layer, int64_t which) -> const at::Tensor& {
     return weights[layer * kWeightsPerLayer + which];
