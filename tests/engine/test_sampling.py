@@ -90,6 +90,22 @@ def test_draws_follow_the_distribution_and_never_pick_a_filtered_token() -> None
     assert torch.allclose(counts.double() / counts.sum(), expected, atol=0.015)
 
 
+def test_a_draw_over_many_blocks_is_the_inverse_of_the_cumulative_weight() -> None:
+    """Over a vocabulary of 1,037 tokens (8 blocks and a ragged end), two thirds filtered
+    out: each draw is the first token whose cumulative probability (one running sum, as
+    the definition reads) exceeds the same uniform number times the total."""
+    logits = torch.randn(1037, generator=torch.Generator().manual_seed(5)) * 4
+    params = SamplingParams(temperature=0.7, top_k=350, seed=9)
+    gen, twin = make_generator(9), make_generator(9)
+    weights = torch.softmax(filter_logits(logits.double() / 0.7, top_k=350), dim=-1)
+    cumulative = torch.cumsum(weights, dim=-1)
+    for _ in range(2_000):
+        point = torch.rand(1, generator=twin, dtype=torch.float64) * cumulative[-1]
+        expected = int(torch.searchsorted(cumulative, point, right=True))
+        assert sample(logits, params, gen) == expected
+        assert weights[expected] > 0
+
+
 def stream_all(stream: TextStream, ids: list[int]) -> list[str]:
     return [stream.push(t) for t in ids]
 
