@@ -13,7 +13,9 @@ rest in chunk-sized pieces, then decodes token by token with its own sampling pa
 
 Process-wide effect: the constructor calls ``gc.freeze()`` once its model and tiers are
 built, so the collector no longer scans the objects alive at that point (they stay alive
-and are still freed normally when unreferenced; ``gc.unfreeze()`` undoes it).
+and are still freed normally when unreferenced; ``gc.unfreeze()`` undoes it); and it lets
+the calling thread's idle OpenMP helpers exit (``kvtier.engine.openmp``), so the worker's
+parallel operators are not throttled; a later parallel region there makes new ones.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvtier.engine.admission import Limits, check_fits, check_prompt_length
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.handoff import Handoff
 from kvtier.engine.metrics import EngineMetrics
+from kvtier.engine.openmp import release_idle_helpers
 from kvtier.engine.request import (
     EngineClosedError,
     ParamError,
@@ -180,6 +183,9 @@ class Engine:
         # ~370,000 objects (the offline workload: 1-3 s of ~24, docs/benchmarks.md).
         gc.collect()
         gc.freeze()
+        # Building ran torch's parallel regions on this thread: its idle OpenMP helpers go,
+        # so the worker's own regions are not throttled (kvtier.engine.openmp).
+        release_idle_helpers()
         self._worker = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._worker.start()
 
