@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -74,6 +75,10 @@ def test_sample_greedy_seeded_and_within_the_filtered_set() -> None:
     assert len(set(sequence)) > 5  # it does sample
     gen = make_generator(12)
     assert [sample(logits, params, gen) for _ in range(200)] != sequence
+    with warnings.catch_warnings():  # a tiny temperature: the others overflow to -inf, quietly
+        warnings.simplefilter("error")
+        tiny = SamplingParams(temperature=1e-30)
+        assert sample(logits * 50, tiny, make_generator(1)) == int(logits.argmax())
 
 
 def test_draws_follow_the_distribution_and_never_pick_a_filtered_token() -> None:

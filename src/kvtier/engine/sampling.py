@@ -79,7 +79,8 @@ def sample(
     flat = logits.detach().reshape(-1)
     scaled = (flat.numpy() if cpu32 else flat.to("cpu", torch.float32).numpy()).astype(np.float64)
     scaled -= scaled.max()  # <= 0, the argmax at exactly 0
-    scaled /= params.temperature
+    with np.errstate(over="ignore"):  # a tiny temperature: the others go to -inf
+        scaled /= params.temperature
     if params.top_k or params.top_p < 1.0:
         scaled = filter_logits(torch.from_numpy(scaled), params.top_k, params.top_p).numpy()
     point = float(torch.rand(1, generator=generator, dtype=torch.float64))
