@@ -75,6 +75,13 @@ def test_sample_greedy_seeded_and_within_the_filtered_set() -> None:
     assert len(set(sequence)) > 5  # it does sample
     gen = make_generator(12)
     assert [sample(logits, params, gen) for _ in range(200)] != sequence
+    wide = logits.double()  # float64 logits (any dtype) give the same draws, and stay as given
+    kept = wide.clone()
+    gen, twin = make_generator(13), make_generator(13)
+    assert [sample(wide, params, gen) for _ in range(20)] == [
+        sample(logits, params, twin) for _ in range(20)
+    ]
+    assert torch.equal(wide, kept)
     with warnings.catch_warnings():  # a tiny temperature: the others overflow to -inf, quietly
         warnings.simplefilter("error")
         tiny = SamplingParams(temperature=1e-30)

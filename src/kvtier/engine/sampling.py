@@ -77,7 +77,8 @@ def sample(
             return int(logits.detach().numpy().argmax())
         return int(torch.argmax(logits))
     flat = logits.detach().reshape(-1)
-    scaled = (flat.numpy() if cpu32 else flat.to("cpu", torch.float32).numpy()).astype(np.float64)
+    source = flat if cpu32 else flat.to("cpu", torch.float64)
+    scaled = np.array(source.numpy(), dtype=np.float64)  # a copy: the caller's logits stay
     scaled -= scaled.max()  # <= 0, the argmax at exactly 0
     with np.errstate(over="ignore"):  # a tiny temperature: the others go to -inf
         scaled /= params.temperature
