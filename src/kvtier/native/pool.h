@@ -15,7 +15,9 @@
 // Here each helper spins up to 0.5 ms after its last part (yielding the core to any other
 // runnable thread while it does), then sleeps until the next call. A static split (one
 // part a thread, the caller spinning until each is done) took 100-230 ms instead of 11-18
-// for 60 one-row projections while a busy loop held one of the two cores.
+// for 60 one-row projections while a busy loop held one of the two cores. (Since
+// kvtier.engine.openmp lets the engine's constructing thread's OpenMP helpers exit, the
+// worker no longer sees that count; this pool was not measured against torch's since.)
 //
 // Prefill-sized work stays on torch's pool (parallel_for_rows).
 //
