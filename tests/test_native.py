@@ -63,8 +63,7 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(
     groups: int, dim: int
 ) -> None:
     """Rows on seats 2 and 0 (not in seat order), one with a pool range longer than a
-    work block, one with none; out rows not named stay untouched. Run lengths 1, 201 and
-    256: whole runs of 16 keys and a remainder."""
+    work block, one with none; out rows not named stay untouched."""
     gen = torch.Generator().manual_seed(2)
     seats_n, layers, heads, slots, tokens = 3, 2, 2, 3, 256
     slab = torch.randn(seats_n, layers, 2, heads, 1 + slots, tokens, dim, generator=gen)

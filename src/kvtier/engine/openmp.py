@@ -37,9 +37,9 @@ def _loaded_runtime() -> Path | None:
     except OSError:
         return None
     for line in lines:
-        path = line.split()[-1] if line.split() else ""
-        if any(Path(path).name.startswith(name) for name in _RUNTIMES):
-            return Path(path)
+        fields = line.split()
+        if len(fields) > 5 and Path(fields[-1]).name.startswith(_RUNTIMES):
+            return Path(fields[-1])
     return None
 
 

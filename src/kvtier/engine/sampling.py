@@ -76,9 +76,12 @@ def sample(
             # over 49,152 logits, whose OpenMP region wakes a second thread (2-core AMD EPYC)
             return int(logits.detach().numpy().argmax())
         return int(torch.argmax(logits))
-    flat = logits.detach().reshape(-1)
-    source = flat if cpu32 else flat.to("cpu", torch.float64)
-    scaled = np.array(source.numpy(), dtype=np.float64)  # a copy: the caller's logits stay
+    flat = logits.detach().reshape(-1)  # copied once below: the caller's logits stay
+    scaled = (
+        flat.numpy().astype(np.float64)
+        if cpu32
+        else flat.to("cpu", torch.float64, copy=True).numpy()
+    )
     scaled -= scaled.max()  # <= 0, the argmax at exactly 0
     with np.errstate(over="ignore"):  # a tiny temperature: the others go to -inf
         scaled /= params.temperature
