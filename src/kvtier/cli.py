@@ -11,6 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from kvtier.hugepages import request_huge_pages
 from kvtier.tiers.base import TierFullError
 
 EXPECTED_ERRORS = (ValueError, FileNotFoundError, PermissionError, TierFullError, OSError)
@@ -51,6 +52,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    request_huge_pages()  # before any torch buffer exists (kvtier.hugepages)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvtier", description="tiered KV-cache engine")
     commands = ["run", "serve", "bench", "calibrate", "plan"]

@@ -48,6 +48,7 @@ from kvtier.engine.scheduler import BatchScheduler
 from kvtier.engine.stats import EngineStats
 from kvtier.engine.work import WorkModel
 from kvtier.hf import attach, model_spec
+from kvtier.hugepages import request_huge_pages
 from kvtier.kv.layout import DTYPES
 from kvtier.manager import KVManager
 from kvtier.models import load_model, model_identity
@@ -198,7 +199,9 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         device: str | None = None,
     ) -> Engine:
-        """An engine over ``kvtier.models.load_model(path)`` (None: the embedded model)."""
+        """An engine over ``kvtier.models.load_model(path)`` (None: the embedded model).
+        Asks for huge pages first (``kvtier.hugepages``: mutates ``os.environ``)."""
+        request_huge_pages()
         loaded = load_model(path, dtype=dtype, device=device)
         return cls(loaded.model, loaded.tokenizer, config, model_id=loaded.model_id)
 
