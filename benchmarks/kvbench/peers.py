@@ -11,7 +11,9 @@ Method (one session; per thread count, ``--threads``: 2 then 1 in full mode, 2 i
    pre-touched 1 GiB fp32 tensor (512 MiB quick). The batch-1 decode bound is the model's
    weight bytes (the safetensors tensors; the tied head is read once) ÷ that bandwidth.
 3. ``kvtier serve`` and ``vllm serve`` both started (their start-up to a healthy
-   ``/health`` is timed: kvtier's is ``start_warm_s``, the converted model being on disk),
+   ``/health`` is timed: kvtier's is ``start_warm_s``, the converted model being on disk
+   and kvtier's CPU kernels built: the bench builds them first, once per machine, and
+   reports that as ``native_build_s``),
    then per repeat, each workload on vLLM then on kvtier:
    - serving: vLLM's own client ``vllm.benchmarks.serve`` (random 512 in / 64 out, 32
      prompts, concurrency 16, ``--ignore-eos``; quick: 8 prompts), seeded per repeat so
@@ -406,11 +408,14 @@ def main(argv: list[str] | None = None) -> int:
         if not (source / "config.json").is_file():
             load_model()  # converts the embedded GGUF once
         folder = ensure_folder(source)
+        native_build_s = build_native()
     except PeerSetupError as exc:
         print(f"error: {exc}")
         return 1
     torch.set_num_threads(args.threads[0])
     info = header()
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
     runs = [run_threads(args, t, venv, folder, workdir) for t in args.threads]
     failed = any(
@@ -449,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_ms": "streaming completion: (stream end - first token) / (tokens - 1)",
             "dtype": "vLLM bfloat16, kvtier projections in bfloat16" if args.bf16 else "float32",
             "kvtier_commit": kvtier_commit(),
+            "native_build_s": native_build_s,
             "venv": str(venv),
             "vllm_folder": str(folder),
         },
@@ -457,6 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     parts = [f"{k} {fmt(v, missing='-')} ({GOALS[k]})" for k, v in main_run["summary"].items()]
     finish(args.json, result, info, f"summary [{args.threads[0]} threads]: " + "; ".join(parts))
     return 0
+
+
+def build_native() -> float | None:
+    """Build or load kvtier's CPU kernels in this process, so that ``kvtier serve``'s timed
+    start finds them built (a warm start); returns the seconds it took (a first build on
+    this machine: 10-30 s), None when they are off or failed to build (then the server runs
+    torch's paths, and says so)."""
+    from kvtier import native
+
+    status = native.status()
+    if not status.available:
+        print(f"kvtier's CPU kernels: unavailable ({status.reason})", flush=True)
+        return None
+    return status.seconds
 
 
 def kvtier_commit() -> str:
