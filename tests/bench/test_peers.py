@@ -138,3 +138,21 @@ def test_cpu_bind_and_the_kv_split() -> None:
     assert cpu_bind(1) == "0" and cpu_bind(2) == "0-1"
     assert peers.device_mb(4) * 16 + peers.host_mb(4) == 4 * 1024
     assert peers.random_ids(8, 0, 1) == peers.random_ids(8, 0, 1) != peers.random_ids(8, 0, 2)
+
+
+def test_build_native_before_the_timed_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bench builds (or loads) kvtier's kernels before it times ``kvtier serve``'s start,
+    and says so when they are off."""
+    from kvtier import native
+
+    status = native.status()
+    seconds = peers.build_native()
+    if status.available:
+        assert seconds == status.seconds and seconds >= 0.0
+    else:
+        assert seconds is None
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert peers.build_native() is None
+    assert "kvtier's CPU kernels: unavailable (KVTIER_NATIVE=0)" in capsys.readouterr().out
