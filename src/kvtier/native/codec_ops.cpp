@@ -55,7 +55,6 @@ constexpr float kRound = 8388608.f;  // 2^23: (q + 2^23) - 2^23 rounds 0 <= q < 
 
 inline vfloat vmin(vfloat a, vfloat b) { return a < b ? a : b; }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-inline vfloat splat(float x) { return vfloat{} + x; }
 
 // Rows of a [L, 2, H, T, D] float32 tensor whose last stride is 1.
 struct Rows {

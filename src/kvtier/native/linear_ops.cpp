@@ -60,10 +60,8 @@ inline void tile(const float* x, int64_t in, const W* w, float* y, int64_t out_n
     vfloat wv[C];
     for (int c = 0; c < C; ++c) wv[c] = load(w + c * stride + k * kPanel);
     for (int r = 0; r < R; ++r) {
-      // scalar * vector: one broadcast load per row (`vfloat{} + x` added 0.f first, a
-      // scalar add and a register broadcast on the FMA port: 1.5x slower on Intel)
-      const float xs = x[r * in + k];
-      for (int c = 0; c < C; ++c) acc[r][c] += xs * wv[c];
+      const vfloat xb = splat(x[r * in + k]);  // vec.h: one broadcast load
+      for (int c = 0; c < C; ++c) acc[r][c] += xb * wv[c];
     }
   }
   for (int c = 0; c < C; ++c) {

@@ -62,6 +62,11 @@ inline float exp_scalar(float x) {
   return exp_poly(x, n) * scale;
 }
 
+// x in every lane: one broadcast (from memory where x was loaded). Not `vfloat{} + x`: that
+// is a scalar add of 0.f first (it turns -0.f into +0.f, so the compiler keeps it) and a
+// register broadcast on Intel's FMA port; x - 0.f is x exactly, so it folds away.
+inline vfloat splat(float x) { return x - vfloat{}; }
+
 inline vfloat load(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof v);
