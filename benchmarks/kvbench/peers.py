@@ -414,9 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     torch.set_num_threads(args.threads[0])
     info = header()
-    if args.dir is not None:
-        args.dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
+    try:
+        if args.dir is not None:
+            args.dir.mkdir(parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir=args.dir))
+    except OSError as exc:
+        print(f"error: --dir {args.dir}: {exc.strerror or exc}")
+        return 1
     runs = [run_threads(args, t, venv, folder, workdir) for t in args.threads]
     failed = any(
         case["failed"]
