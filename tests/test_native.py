@@ -206,30 +206,31 @@ def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> No
     assert native.status().how == "off"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 33, 64, 65, 130])
 @pytest.mark.parametrize("out_features", [1, 21, 48, 64, 100])
 def test_linear_panels_equals_f_linear(rows: int, out_features: int) -> None:
-    """Tiles of 8 rows and their remainder; blocks of 3 panels and of 1 or 2, a last panel
-    part-filled; an input width that is no multiple of 16; with and without a bias."""
+    """Tiles of 8 rows and their remainder, past 8 rows taking turns over 64 values of k
+    (the input's 150: three turns, the last part-filled), past 64 rows a further pass;
+    blocks of 3 panels and of 1 or 2, a last panel part-filled; with and without a bias."""
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = torch.randn(rows, 90, generator=gen)
-    w, b = torch.randn(out_features, 90, generator=gen), torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, 150, generator=gen)
+    w, b = torch.randn(out_features, 150, generator=gen), torch.randn(out_features, generator=gen)
     panels = _ops().pack_panels(w)
-    assert panels.shape == ((out_features + 15) // 16, 90, 16)
+    assert panels.shape == ((out_features + 15) // 16, 150, 16)
     torch.testing.assert_close(_ops().linear_panels(x, panels, None, out_features), F.linear(x, w))
     torch.testing.assert_close(_ops().linear_panels(x, panels, b, out_features), F.linear(x, w, b))
 
 
 def test_linear_panels_rows_do_not_change_each_others_bits() -> None:
-    """Every tile (up to 8 rows x 3 panels, further passes past 8 rows) sums each output
-    over the input in order, so a row's output is the same bits whatever rows share its
-    call: a sequence's decode does not depend on its batch."""
+    """Every tile (up to 8 rows x 3 panels; past 8 rows the groups take turns over k) sums
+    each output over the input in order, so a row's output is the same bits whatever rows
+    share its call: a sequence's decode does not depend on its batch."""
     gen = torch.Generator().manual_seed(5)
-    w, b = torch.randn(100, 90, generator=gen), torch.randn(100, generator=gen)
+    w, b = torch.randn(100, 150, generator=gen), torch.randn(100, generator=gen)
     panels = _ops().pack_panels(w)
-    x = torch.randn(40, 90, generator=gen)
-    alone = torch.cat([_ops().linear_panels(x[i : i + 1], panels, b, 100) for i in range(40)])
-    for rows in (3, 8, 9, 16, 25, 40):
+    x = torch.randn(80, 150, generator=gen)
+    alone = torch.cat([_ops().linear_panels(x[i : i + 1], panels, b, 100) for i in range(80)])
+    for rows in (3, 8, 9, 16, 25, 40, 65, 80):
         assert torch.equal(_ops().linear_panels(x[:rows], panels, b, 100), alone[:rows])
 
 

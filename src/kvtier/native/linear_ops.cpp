@@ -3,19 +3,24 @@
 // torch.ops.kvtier_cpu.pack_panels / linear_panels.
 //
 // Layout: panels [P, I, 16], P = ceil(O / 16), panels[p, i, l] = W[16 p + l, i] (zero past
-// O): one panel is a contiguous run of I * 16 values, so a block of 3 panels is one
-// sequential stream (what the hardware prefetcher follows best). Each work item is such a
-// block; it is read from memory once per call and multiplied with every row of x from
-// registers: a tile of 8 rows x 48 outputs keeps 24 vector accumulators, and each k adds
-// x[r, k] (broadcast) times the 3 panel vectors at k. No horizontal sums; the inner loop
-// is 3 vector loads and 8 broadcasts for 24 FMAs. Rows past 8 take further passes over the
-// block while it is in L2.
+// O): one panel is a contiguous run of I * 16 values. Each work item is a block of 3 panels,
+// read from memory once per call and multiplied with every row of x from registers: a tile
+// of 8 rows x 48 outputs keeps 24 vector accumulators, and each k adds x[r, k] (broadcast)
+// times the 3 panel vectors at k. No horizontal sums; the inner loop is 3 vector loads and
+// 8 broadcasts for 24 FMAs. With more than 8 rows, the 8-row groups take turns every
+// kBlockK values of k (their accumulators parked in L1 between turns), so the later groups
+// find the block's panels in L1 instead of a second pass over it. Each k also prefetches
+// the panels kPrefetchK values ahead: the hardware streamer stops at every 4 KiB page (a
+// panel of 576 values spans 9), and a tile busy with FMAs otherwise waits on memory.
 //
-// Measured on the 2-core AMD EPYC (Zen 4), every projection of SmolLM2-135M once (121
-// calls, 538 MB of weights), interleaved with torch's oneDNN on its packed weights (best
-// of 3): 1 row 15.0 ms against 27.1 (the earlier per-row dot kernel: 18.1), 8 rows 20.4
-// against 32.8, 16 rows 30.7 against 35.6, 32 rows 52.2 against 61.0, 64 rows 90.8
-// against 102.6. Blocking k or prefetching the next block measured no faster.
+// Measured on the 2-core Intel Xeon with AMX (KVM), every projection of SmolLM2-135M once
+// (121 calls, 538 MB of weights), interleaved in one process with the kernel before the
+// turns and the prefetch (best of 6; the machine is noisy): 1 row 18.4 -> 17.0 ms, 8 rows
+// 27.7 -> 24.4, 16 rows 39.9 -> 29.6 and 31.6 -> 27.3 in two sittings, 32 rows 50.1 ->
+// 44.9; bfloat16 weights 16 rows 27.0 -> 25.7. A tile of 16 rows x 1 panel (16 FMAs with
+// broadcast operands per panel load) ran slower: 53.8 ms at 16 rows. Earlier, on the 2-core
+// AMD EPYC (Zen 4), against torch's oneDNN on its packed weights: 1 row 15.0 ms against
+// 27.1, 16 rows 30.7 against 35.6, 64 rows 90.8 against 102.6.
 //
 // Weights float32 or bfloat16 (widened exactly as read: half the bytes); x, bias and y
 // float32 (a bf16 bias is widened too); sums in float32, each output's k in order. Threads:
@@ -39,6 +44,9 @@ using namespace kvtier_vec;
 constexpr int64_t kPanel = kLanes;  // output features per panel
 constexpr int kTileRows = 8;
 constexpr int kTilePanels = 3;
+constexpr int64_t kBlockK = 64;    // k values per turn when 8-row groups share a block
+constexpr int64_t kParkRows = 64;  // rows whose accumulators one block parks at a time
+constexpr int64_t kPrefetchK = 16;  // how far ahead (in k) each tile prefetches its panels
 
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -51,28 +59,61 @@ at::Tensor pack_panels(const at::Tensor& w) {
   return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();
 }
 
+// Rows r < R of one 8-row group times C panels, over k in [k0, k1): the R x C accumulators
+// start at zero (fresh) or from `park` ([R][C] vectors) and are parked there again.
 template <int R, int C, typename W>
-inline void tile(const float* x, int64_t in, const W* w, float* y, int64_t out_n, int64_t col,
-                 const float* bias) {
+inline void tile(const float* x, int64_t in, int64_t k0, int64_t k1, bool fresh, const W* w,
+                 vfloat* park) {
   vfloat acc[R][C] = {};
+  if (!fresh) {
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) acc[r][c] = park[r * C + c];
+    }
+  }
   const int64_t stride = in * kPanel;  // one panel
-  for (int64_t k = 0; k < in; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     vfloat wv[C];
     for (int c = 0; c < C; ++c) wv[c] = load(w + c * stride + k * kPanel);
+    for (int c = 0; c < C; ++c) {
+      __builtin_prefetch(w + c * stride + (k + kPrefetchK) * kPanel, 0, 3);
+    }
     for (int r = 0; r < R; ++r) {
       const vfloat xb = splat(x[r * in + k]);  // vec.h: one broadcast load
       for (int c = 0; c < C; ++c) acc[r][c] += xb * wv[c];
     }
   }
-  for (int c = 0; c < C; ++c) {
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) park[r * C + c] = acc[r][c];
+  }
+}
+
+template <int C, typename W>
+inline void rows_tile(int64_t rows, const float* x, int64_t in, int64_t k0, int64_t k1,
+                      bool fresh, const W* w, vfloat* park) {
+  switch (rows) {
+    case 1: tile<1, C>(x, in, k0, k1, fresh, w, park); break;
+    case 2: tile<2, C>(x, in, k0, k1, fresh, w, park); break;
+    case 3: tile<3, C>(x, in, k0, k1, fresh, w, park); break;
+    case 4: tile<4, C>(x, in, k0, k1, fresh, w, park); break;
+    case 5: tile<5, C>(x, in, k0, k1, fresh, w, park); break;
+    case 6: tile<6, C>(x, in, k0, k1, fresh, w, park); break;
+    case 7: tile<7, C>(x, in, k0, k1, fresh, w, park); break;
+    default: tile<kTileRows, C>(x, in, k0, k1, fresh, w, park); break;
+  }
+}
+
+// y[r, col + 16 c + l] = park[r][c][l] + bias, for the `lanes` outputs a panel holds.
+inline void store_block(const vfloat* park, int64_t rows, int64_t count, float* y,
+                        int64_t out_n, int64_t col, const float* bias) {
+  for (int64_t c = 0; c < count; ++c) {
     const int64_t first = col + c * kPanel;
     const int64_t lanes = std::min<int64_t>(kPanel, out_n - first);
     vfloat b{};
     if (bias != nullptr) {
       for (int64_t l = 0; l < lanes; ++l) b[l] = bias[first + l];
     }
-    for (int r = 0; r < R; ++r) {
-      const vfloat v = acc[r][c] + b;
+    for (int64_t r = 0; r < rows; ++r) {
+      const vfloat v = park[r * count + c] + b;
       float* dst = y + r * out_n + first;
       if (lanes == kPanel) {
         store(dst, v);
@@ -83,41 +124,37 @@ inline void tile(const float* x, int64_t in, const W* w, float* y, int64_t out_n
   }
 }
 
-template <int C, typename W>
-inline void rows_tile(int64_t rows, const float* x, int64_t in, const W* w, float* y,
-                      int64_t out_n, int64_t col, const float* bias) {
-  switch (rows) {
-    case 1: tile<1, C>(x, in, w, y, out_n, col, bias); break;
-    case 2: tile<2, C>(x, in, w, y, out_n, col, bias); break;
-    case 3: tile<3, C>(x, in, w, y, out_n, col, bias); break;
-    case 4: tile<4, C>(x, in, w, y, out_n, col, bias); break;
-    case 5: tile<5, C>(x, in, w, y, out_n, col, bias); break;
-    case 6: tile<6, C>(x, in, w, y, out_n, col, bias); break;
-    case 7: tile<7, C>(x, in, w, y, out_n, col, bias); break;
-    default: tile<kTileRows, C>(x, in, w, y, out_n, col, bias); break;
-  }
-}
-
 template <typename W>
 void linear_panels_of(const float* x, const W* w, const float* bias, float* y, int64_t rows,
                       int64_t in, int64_t out_n, int64_t panels) {
   const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
   kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
+    vfloat park[kParkRows * kTilePanels];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t p = b * kTilePanels;
       const int64_t count = std::min<int64_t>(kTilePanels, panels - p);
       const W* wb = w + p * in * kPanel;
-      for (int64_t r = 0; r < rows; r += kTileRows) {
-        const int64_t n = std::min<int64_t>(kTileRows, rows - r);
-        const float* xr = x + r * in;
-        float* yr = y + r * out_n;
-        if (count == 3) {
-          rows_tile<3>(n, xr, in, wb, yr, out_n, p * kPanel, bias);
-        } else if (count == 2) {
-          rows_tile<2>(n, xr, in, wb, yr, out_n, p * kPanel, bias);
-        } else {
-          rows_tile<1>(n, xr, in, wb, yr, out_n, p * kPanel, bias);
+      for (int64_t r0 = 0; r0 < rows; r0 += kParkRows) {
+        const int64_t chunk = std::min<int64_t>(kParkRows, rows - r0);
+        // One 8-row group: all of k in one go. More: the groups take turns every kBlockK
+        // values of k, so the block's panels come from memory once and from L1 after.
+        const int64_t step = chunk > kTileRows ? kBlockK : in;
+        for (int64_t k0 = 0; k0 < in; k0 += step) {
+          const int64_t k1 = std::min(in, k0 + step);
+          for (int64_t r = 0; r < chunk; r += kTileRows) {
+            const int64_t n = std::min<int64_t>(kTileRows, chunk - r);
+            const float* xr = x + (r0 + r) * in;
+            vfloat* pr = park + r * count;
+            if (count == 3) {
+              rows_tile<3>(n, xr, in, k0, k1, k0 == 0, wb, pr);
+            } else if (count == 2) {
+              rows_tile<2>(n, xr, in, k0, k1, k0 == 0, wb, pr);
+            } else {
+              rows_tile<1>(n, xr, in, k0, k1, k0 == 0, wb, pr);
+            }
+          }
         }
+        store_block(park, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias);
       }
     }
   });
