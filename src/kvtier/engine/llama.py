@@ -9,7 +9,8 @@ weights of the loaded transformers model (shared, not copied, except the fused o
 - q, k and v are one matmul (their weights concatenated once at start), gate and up one;
   on the CPU every matmul runs on a oneDNN-packed copy of its weight, or for a decode
   batch's few rows on kvtier's ``linear_panels`` kernel (``Linear``);
-- RoPE's cos/sin come from the model's own rotary module, once per step for every layer;
+- RoPE's cos/sin come from the model's own rotary module, tabled once over positions and
+  gathered per step for every layer (``kvtier.engine.rope``);
 - the decode rows of seated sequences are attended with one call per layer
   (``kvtier.runtime.DecodeBatch``); the other spans' K/V go to their
   ``kvtier.runtime.SequenceKV`` and are attended with one ``attend_packed`` call per layer.
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 
 from kvtier import native
 from kvtier.engine.linear import MEASURED_ROWS, Linear, make_linear, rows_kernel_max
+from kvtier.engine.rope import RopeTable
 from kvtier.runtime import DecodeBatch, PackedKV, SequenceKV, attend_packed
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ class LlamaModel:
         self.ops = native.ops() if cpu32 else None
         self.matmul_dtype = matmul_dtype
         self.lm_head = make_linear(weight, None, self.ops, matmul_dtype)  # [V, H]
-        self.rotary = base.rotary_emb
+        self.rope = RopeTable(base.rotary_emb)
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
         layers = [self._fuse(layer) for layer in base.layers]
@@ -241,14 +243,16 @@ class LlamaModel:
         n = ids.shape[0]
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed(ids)  # [N, H]
-        cos, sin = self.rotary(h[None], positions[None])  # [1, N, D]
+        cos, sin = self.rope.rows(h, positions)  # [N, D]
         batch, rest = DecodeBatch.collect(kvs, spans) if kvs is not None else (None, [])
         ops = self.ops if h.dtype == torch.float32 and h.device.type == "cpu" else None
         if ops is not None:
-            if not self._decode_layers(ops, h, cos[0], sin[0], batch, rest):
-                self._forward_native(ops, h, cos[0], sin[0], kvs, spans, batch, rest)
-            return self.lm_head(ops.rms_norm(h[logit_rows], self.final_norm, self.eps))
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, D]
+            if not self._decode_layers(ops, h, cos, sin, batch, rest):
+                self._forward_native(ops, h, cos, sin, kvs, spans, batch, rest)
+            # index_select: no OpenMP region for a decode batch's rows (h[rows] opens one)
+            last = h.index_select(0, logit_rows)
+            return self.lm_head(ops.rms_norm(last, self.final_norm, self.eps))
+        cos, sin = cos[None, None], sin[None, None]  # [1, 1, N, D]
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
             qkv = layer.qkv(x)  # [N, (Hq+2Hkv) D]
