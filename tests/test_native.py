@@ -58,7 +58,7 @@ def test_silu_mul_over_the_whole_range() -> None:
 
 
 @pytest.mark.parametrize("groups", [1, 3])
-@pytest.mark.parametrize("dim", [16, 64])  # any head dim; 64: the kernel compiled for it
+@pytest.mark.parametrize("dim", [16, 64, 128])  # any head dim; 64, 128: kernels compiled for them
 def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(
     groups: int, dim: int
 ) -> None:

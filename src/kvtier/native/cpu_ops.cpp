@@ -57,7 +57,7 @@ void attend_block_any(int64_t groups, int64_t dim, const float* q, const float* 
   }
   for (int64_t g = 0; g < groups; ++g) {
     float* s = scores + g * kBlockTokens;
-    const float m = *std::max_element(s, s + len);
+    const float m = max_of(s, len);
     res[g * part] = m;
     res[g * part + 1] = exp_shifted(s, len, m);
     std::fill_n(res + g * part + 2, dim, 0.f);
@@ -84,7 +84,22 @@ void attend_block_fixed(const float* q, const float* k, const float* v, int64_t 
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + g * D + c * kLanes) * scale;
   }
-  for (int64_t j = 0; j < len; ++j) {
+  int64_t j = 0;
+  for (; j + kLanes <= len; j += kLanes) {  // 16 keys: their scores summed together
+    for (int64_t t = 0; t < kLanes; ++t) {
+      for (int c = 0; c < C; ++c) prefetch(k + (j + kLanes + t) * D + c * kLanes);
+    }
+    for (int g = 0; g < G; ++g) {
+      vfloat acc[kLanes];
+      for (int64_t t = 0; t < kLanes; ++t) {
+        const float* kt = k + (j + t) * D;
+        acc[t] = qv[g][0] * load(kt);
+        for (int c = 1; c < C; ++c) acc[t] += qv[g][c] * load(kt + c * kLanes);
+      }
+      store(scores + g * kBlockTokens + j, lane_sums16(acc));
+    }
+  }
+  for (; j < len; ++j) {
     vfloat kr[C];
     for (int c = 0; c < C; ++c) kr[c] = load(k + j * D + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -96,7 +111,7 @@ void attend_block_fixed(const float* q, const float* k, const float* v, int64_t 
   float m[G];
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * kBlockTokens;
-    m[g] = *std::max_element(s, s + len);
+    m[g] = max_of(s, len);
     res[g * (D + 2)] = m[g];
     res[g * (D + 2) + 1] = exp_shifted(s, len, m[g]);
   }
@@ -104,6 +119,7 @@ void attend_block_fixed(const float* q, const float* k, const float* v, int64_t 
   for (int64_t j = 0; j < len; ++j) {
     vfloat vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load(v + j * D + c * kLanes);
+    for (int c = 0; c < C; ++c) prefetch(v + (j + kLanes) * D + c * kLanes);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * kBlockTokens + j];
       for (int c = 0; c < C; ++c) o[g][c] += p * vr[c];

@@ -75,7 +75,7 @@ inline void tile(const float* x, int64_t in, int64_t k0, int64_t k1, bool fresh,
     vfloat wv[C];
     for (int c = 0; c < C; ++c) wv[c] = load(w + c * stride + k * kPanel);
     for (int c = 0; c < C; ++c) {
-      __builtin_prefetch(w + c * stride + (k + kPrefetchK) * kPanel, 0, 3);
+      prefetch(w + c * stride + (k + kPrefetchK) * kPanel);
     }
     for (int r = 0; r < R; ++r) {
       const vfloat xb = splat(x[r * in + k]);  // vec.h: one broadcast load
