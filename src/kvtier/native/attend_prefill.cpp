@@ -44,8 +44,6 @@ constexpr int kTileKeys = 8;           // keys per score tile
 constexpr int kTileVectors = 3;        // row vectors per score tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-
 // A tile of scores: RV row vectors (qt [RV][D][16]) against NK keys (rows k, k + ks, ...),
 // stored to s[key][row] (rows_total floats per key); bmax[v] takes the tile's max. from:
 // per key, the first lane that sees it (nullptr: every lane does).

@@ -75,6 +75,9 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// Lane by lane the larger of a and b.
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
 // Asks for the cache line at p ahead of its use (to every cache level); p may lie past the
 // end of its array (a prefetch never faults).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
@@ -152,10 +155,7 @@ inline float max_of(const float* s, int64_t n) {
   int64_t j = 0;
   if (n >= kLanes) {
     vfloat acc = load(s);
-    for (j = kLanes; j + kLanes <= n; j += kLanes) {
-      const vfloat x = load(s + j);
-      acc = x > acc ? x : acc;
-    }
+    for (j = kLanes; j + kLanes <= n; j += kLanes) acc = vmax(acc, load(s + j));
     best = lane_max(acc);
   }
   for (; j < n; ++j) best = s[j] > best ? s[j] : best;
