@@ -166,6 +166,44 @@ def test_one_call_for_a_decode_steps_layers_gives_the_loops_bits(
         assert torch.equal(fused, looped)
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_the_last_layer_runs_its_mlp_on_the_sampled_rows_only(
+    kernels: str, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of three prompts that samples two rows: the last layer's o-projection and MLP
+    see those two rows, the other layers all 60, and the two rows' logits are the ones the
+    same step gives when every row's logits are wanted."""
+    monkeypatch.setenv(native.ENV_SWITCH, "1" if kernels == "native" else "0")
+    model = family_model("qwen2", tokenizer)
+    llama = LlamaModel(model)
+    assert (llama.ops is not None) == (kernels == "native")
+    rows_seen: list[list[int]] = [[] for _ in llama.layers]
+
+    class Counted:
+        def __init__(self, linear: Any, seen: list[int]) -> None:
+            self.linear, self.seen = linear, seen
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(x.shape[0])
+            return self.linear(x)  # type: ignore[no-any-return]
+
+    llama.layers = [
+        dataclasses.replace(layer, o=Counted(layer.o, seen), gate_up=Counted(layer.gate_up, seen))
+        for layer, seen in zip(llama.layers, rows_seen, strict=True)
+    ]
+    spans = [(0, 20), (20, 25), (45, 15)]
+    ids = torch.tensor([(300 + 7 * i) % 1000 for i in range(60)])
+    positions = torch.cat([torch.arange(n) for _, n in spans])
+    sampled = torch.tensor([19, 59])  # the first and last spans end their prompts here
+    with torch.no_grad():
+        logits = llama.forward(ids, positions, None, spans, sampled)
+        every = llama.forward(ids, positions, None, spans, torch.arange(60))
+    assert logits.shape == (2, model.config.vocab_size)
+    assert rows_seen[-1] == [2, 2, 60, 60]  # o and gate_up: sampled rows, then every row
+    assert all(seen == [60, 60, 60, 60] for seen in rows_seen[:-1])
+    torch.testing.assert_close(logits, every[sampled], rtol=1e-5, atol=1e-5)
+
+
 def test_preemption_keeps_the_tokens(tokenizer: Any) -> None:
     model = family_model("qwen3", tokenizer)
     base = engine_config()

@@ -11,16 +11,18 @@ weights of the loaded transformers model (shared, not copied, except the fused o
   batch's few rows on kvtier's ``linear_panels`` kernel (``Linear``);
 - RoPE's cos/sin come from the model's own rotary module, tabled once over positions and
   gathered per step for every layer (``kvtier.engine.rope``);
-- the decode rows of seated sequences are attended with one call per layer
-  (``kvtier.runtime.DecodeBatch``); the other spans' K/V go to their
-  ``kvtier.runtime.SequenceKV`` and are attended with one ``attend_packed`` call per layer.
+- attention is ``kvtier.engine.step_attend.attend_layer``: the decode rows of seated
+  sequences in one call per layer (``kvtier.runtime.DecodeBatch``), the other spans' K/V
+  into their ``kvtier.runtime.SequenceKV`` and one ``attend_packed`` call per layer.
 
 On a float32 CPU model with kvtier's CPU kernels (``kvtier.native``) each residual add is
 fused with the next RMSNorm, RoPE runs in place on the q/k projection output and SiLU·mul is
 one op (``_forward_native``); elsewhere the same steps run on torch's ops. A step whose every
 row is a seated decode row, with every projection on ``linear_panels``, runs all its layers
 in one call (``kvtier_cpu::decode_layers``: the same operators in the same order, so the
-same bits, without ~15 Python calls a layer).
+same bits, without ~15 Python calls a layer). The last layer runs its o-projection and MLP
+only on the rows whose logits are wanted (its k/v on every row, for the KV): no other row
+reads them, and for a prompt that is 84 % of one layer's projection FLOPs (SmolLM2).
 
 The arithmetic is transformers' (the same ops in the same order, fp32 norms; the kernels
 differ only in summation order and in a ~1 ulp ``exp``), so greedy tokens equal its
@@ -40,12 +42,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvtier import native
 from kvtier.engine.linear import MEASURED_ROWS, Linear, make_linear, rows_kernel_max
 from kvtier.engine.rope import RopeTable
-from kvtier.runtime import DecodeBatch, PackedKV, SequenceKV, attend_packed
+from kvtier.engine.step_attend import attend_layer
+from kvtier.runtime import DecodeBatch, SequenceKV
 
 log = logging.getLogger(__name__)
 
@@ -246,13 +248,20 @@ class LlamaModel:
         cos, sin = self.rope.rows(h, positions)  # [N, D]
         batch, rest = DecodeBatch.collect(kvs, spans) if kvs is not None else (None, [])
         ops = self.ops if h.dtype == torch.float32 and h.device.type == "cpu" else None
+        # the last layer's rows past attention: only those whose logits are wanted (each
+        # row's o/MLP reads that row alone; the KV needs every row's k/v, not its output)
+        keep = None if logit_rows.shape[0] == n else logit_rows
         if ops is not None:
-            if not self._decode_layers(ops, h, cos, sin, batch, rest):
-                self._forward_native(ops, h, cos, sin, kvs, spans, batch, rest)
-            # index_select: no OpenMP region for a decode batch's rows (h[rows] opens one)
-            last = h.index_select(0, logit_rows)
+            if self._decode_layers(ops, h, cos, sin, batch, rest):
+                # index_select: no OpenMP region for a decode batch's rows (h[rows] opens one)
+                last = h.index_select(0, logit_rows)
+            else:
+                last = self._forward_native(ops, h, cos, sin, kvs, spans, batch, rest, keep)
+                if keep is None:
+                    last = last.index_select(0, logit_rows)
             return self.lm_head(ops.rms_norm(last, self.final_norm, self.eps))
         cos, sin = cos[None, None], sin[None, None]  # [1, 1, N, D]
+        last_index = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.input_norm)
             qkv = layer.qkv(x)  # [N, (Hq+2Hkv) D]
@@ -263,14 +272,18 @@ class LlamaModel:
             q = self._rope(q.transpose(1, 2), cos, sin)  # [1, Hq, N, D]
             k = self._rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, N, D]
             v = v.transpose(1, 2)
-            out = self._attend(index, q, k, v, kvs, spans, batch, rest)  # [1, N, Hq, D]
-            h = h + layer.o(out.reshape(n, hq * dim))
+            out = attend_layer(index, q, k, v, kvs, spans, batch, rest, self.scale)  # [1, N, Hq, D]
+            out = out.reshape(n, hq * dim)
+            if index == last_index and keep is not None:
+                h, out = h[keep], out[keep]
+            h = h + layer.o(out)
             x = self._norm(h, layer.post_norm)
             gate_up = layer.gate_up(x)
             gate, up = gate_up.chunk(2, dim=-1)
             h = h + layer.down(self.act(gate) * up)
-        h = self._norm(h[logit_rows], self.final_norm)
-        return self.lm_head(h)
+        if keep is None:
+            h = h[logit_rows]
+        return self.lm_head(self._norm(h, self.final_norm))
 
     def _decode_layers(
         self,
@@ -323,11 +336,14 @@ class LlamaModel:
         spans: Sequence[tuple[int, int]],
         batch: DecodeBatch | None,
         rest: Sequence[int],
-    ) -> None:
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
         """``forward``'s layers on kvtier's CPU kernels (float32): each residual add fused
         with the next RMSNorm, RoPE in place on the q/k projections' output, SiLU·mul in one
-        op. ``h [N, H]`` (mutated to the last layer's output: it is the residual stream);
-        ``cos``/``sin [N, D]``."""
+        op. ``h [N, H]`` is the residual stream, mutated through the layers; ``cos``/``sin
+        [N, D]``. Returns the last layer's output of the rows ``keep`` (``[len(keep), H]``, a
+        new tensor: the last layer's o-projection and MLP run on those rows only), or of
+        every row (``h`` itself) when ``keep`` is None."""
         n = h.shape[0]
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         eps = self.eps
@@ -341,48 +357,15 @@ class LlamaModel:
             ops.rope_(q, cos, sin)
             ops.rope_(k, cos, sin)
             q4, k4 = q[None].transpose(1, 2), k[None].transpose(1, 2)  # [1, H, N, D] views
-            out = self._attend(index, q4, k4, v[None].transpose(1, 2), kvs, spans, batch, rest)
-            x = ops.add_rms_norm(h, layer.o(out.view(n, hq * dim)), layer.post_norm, eps)
+            v4 = v[None].transpose(1, 2)
+            out = attend_layer(index, q4, k4, v4, kvs, spans, batch, rest, self.scale)
+            out = out.view(n, hq * dim)
+            if index + 1 == len(self.layers) and keep is not None:
+                h, out = h.index_select(0, keep), out.index_select(0, keep)
+            x = ops.add_rms_norm(h, layer.o(out), layer.post_norm, eps)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
             if index + 1 < len(self.layers):
                 x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
             else:
                 h += down
-
-    def _attend(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kvs: Sequence[SequenceKV] | None,
-        spans: Sequence[tuple[int, int]],
-        batch: DecodeBatch | None,
-        rest: Sequence[int],
-    ) -> torch.Tensor:
-        """Every span's attention, ``[1, N, Hq, D]``: the decode rows of ``batch`` in one
-        call, the spans ``rest`` (indices) each over its own KV."""
-        if kvs is None:  # throw-away forward: causal within each span
-            out = torch.empty(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
-            for start, length in spans:
-                part = F.scaled_dot_product_attention(
-                    q[:, :, start : start + length],
-                    k[:, :, start : start + length],
-                    v[:, :, start : start + length],
-                    is_causal=True,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
-                out[:, start : start + length] = part.transpose(1, 2)
-            return out
-        out = q.new_empty(1, q.shape[2], q.shape[1], q.shape[3])
-        if batch is not None:
-            batch.attend(layer_idx, q, k, v, self.scale, out)
-        if rest:
-            views = []
-            for i in rest:
-                s, m = spans[i]
-                views.append(kvs[i].write(layer_idx, k[:, :, s : s + m], v[:, :, s : s + m]))
-            view = PackedKV(layer_idx, views, [spans[i] for i in rest])
-            attend_packed(view, q, self.scale, out)
-        return out
+        return h
