@@ -18,11 +18,13 @@ weights of the loaded transformers model (shared, not copied, except the fused o
 On a float32 CPU model with kvtier's CPU kernels (``kvtier.native``) each residual add is
 fused with the next RMSNorm, RoPE runs in place on the q/k projection output and SiLU·mul is
 one op (``_forward_native``); elsewhere the same steps run on torch's ops. A step whose every
-row is a seated decode row, with every projection on ``linear_panels``, runs all its layers
-in one call (``kvtier_cpu::decode_layers``: the same operators in the same order, so the
-same bits, without ~15 Python calls a layer). The last layer runs its o-projection and MLP
-only on the rows whose logits are wanted (its k/v on every row, for the KV): no other row
-reads them, and for a prompt that is 84 % of one layer's projection FLOPs (SmolLM2).
+row is a seated decode row can run all its layers in one call (``kvtier_cpu::decode_layers``,
+its projections on ``linear_panels``: the same operators in the same order, so the same
+bits, without ~15 Python calls a layer); ``kvtier.engine.decode_path`` picks it or the loop
+by the step's row count, from the first steps of each size. The last layer runs its
+o-projection and MLP only on the rows whose logits are wanted (its k/v on every row, for the
+KV): no other row reads them, and for a prompt that is 84 % of one layer's projection FLOPs
+(SmolLM2).
 
 The arithmetic is transformers' (the same ops in the same order, fp32 norms; the kernels
 differ only in summation order and in a ~1 ulp ``exp``), so greedy tokens equal its
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +47,14 @@ from typing import Any
 import torch
 
 from kvtier import native
-from kvtier.engine.linear import MEASURED_ROWS, Linear, make_linear, rows_kernel_max
+from kvtier.engine.decode_path import DecodePath
+from kvtier.engine.linear import (
+    MEASURED_ROWS,
+    ROWS_KERNEL_MAX,
+    Linear,
+    make_linear,
+    rows_kernel_max,
+)
 from kvtier.engine.rope import RopeTable
 from kvtier.engine.step_attend import attend_layer
 from kvtier.runtime import DecodeBatch, SequenceKV
@@ -133,6 +143,8 @@ class LlamaModel:
         rows = self.rows_kernel_max
         self.fuse_decode = True
         """False: decode steps take the layer loop too (``decode_layers`` must equal it)."""
+        self.decode_path = DecodePath(rows, ROWS_KERNEL_MAX)
+        """One ``decode_layers`` call or the layer loop, by a decode step's row count."""
         self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
         self.layers = [
             dataclasses.replace(
@@ -252,13 +264,20 @@ class LlamaModel:
         # row's o/MLP reads that row alone; the KV needs every row's k/v, not its output)
         keep = None if logit_rows.shape[0] == n else logit_rows
         if ops is not None:
-            if self._decode_layers(ops, h, cos, sin, batch, rest):
+            decode_only = self._decode_only(batch, rest, n)
+            one_call = decode_only and self.decode_path.fused(n)
+            start = time.perf_counter()
+            if one_call:
+                assert batch is not None
+                self._decode_layers(ops, h, cos, sin, batch)
                 # index_select: no OpenMP region for a decode batch's rows (h[rows] opens one)
                 last = h.index_select(0, logit_rows)
             else:
                 last = self._forward_native(ops, h, cos, sin, kvs, spans, batch, rest, keep)
                 if keep is None:
                     last = last.index_select(0, logit_rows)
+            if decode_only:
+                self.decode_path.record(n, one_call, time.perf_counter() - start)
             return self.lm_head(ops.rms_norm(last, self.final_norm, self.eps))
         cos, sin = cos[None, None], sin[None, None]  # [1, 1, N, D]
         last_index = len(self.layers) - 1
@@ -285,27 +304,31 @@ class LlamaModel:
             h = h[logit_rows]
         return self.lm_head(self._norm(h, self.final_norm))
 
+    def _decode_only(self, batch: DecodeBatch | None, rest: Sequence[int], rows: int) -> bool:
+        """Whether a step may run all its layers in one ``decode_layers`` call: every row a
+        seated decode row on kvtier's kernels, at most ``ROWS_KERNEL_MAX`` rows, the fused
+        weights there and ``fuse_decode`` set (``decode_path`` then picks the path)."""
+        return (
+            self.decode_weights is not None
+            and self.fuse_decode
+            and batch is not None
+            and not rest
+            and batch.native_only
+            and rows <= ROWS_KERNEL_MAX
+        )
+
     def _decode_layers(
         self,
         ops: Any,
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        batch: DecodeBatch | None,
-        rest: Sequence[int],
-    ) -> bool:
-        """Every layer of a decode-only step in one ``decode_layers`` call (``h`` mutated to
-        the last layer's output); False, nothing done, where the step does not qualify."""
+        batch: DecodeBatch,
+    ) -> None:
+        """Every layer of a decode-only step (``_decode_only``) in one ``decode_layers``
+        call; ``h`` mutated to the last layer's output."""
         fused = self.decode_weights
-        if (
-            fused is None
-            or not self.fuse_decode
-            or batch is None
-            or rest
-            or not batch.native_only
-            or h.shape[0] > self.rows_kernel_max
-        ):
-            return False
+        assert fused is not None
         ops.decode_layers(
             h,
             cos,
@@ -324,7 +347,6 @@ class LlamaModel:
             self.eps,
         )
         batch.done()
-        return True
 
     def _forward_native(
         self,
