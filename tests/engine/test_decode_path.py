@@ -14,10 +14,9 @@ from kvtier import native
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.decode_path import DecodePath
 from kvtier.engine.linear import MEASURED_ROWS
-from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner
 from kvtier.models import random_model
-from tests.engine.tiny import engine_config, reference_tokens
+from tests.engine.tiny import engine_config, record_one_call_steps, reference_tokens
 
 
 def test_row_counts_between_the_limits_alternate_then_keep_the_faster_path() -> None:
@@ -56,14 +55,7 @@ def test_an_engine_tries_both_paths_and_its_tokens_stay_exact(
         pytest.skip("kvtier's CPU kernels are not built here")
     model = random_model("llama", seed=3, vocab_size=len(tokenizer))
     MEASURED_ROWS[model] = {torch.get_num_threads(): 1}
-    paths: list[bool] = []
-    original = LlamaModel._decode_layers
-
-    def counting(self: LlamaModel, *args: Any) -> None:
-        paths.append(True)
-        original(self, *args)
-
-    monkeypatch.setattr(LlamaModel, "_decode_layers", counting)
+    paths = record_one_call_steps(monkeypatch)
     prompts = [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate((5, 23, 40))]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     config = dataclasses.replace(engine_config(), runner="kvtier")

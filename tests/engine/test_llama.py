@@ -19,7 +19,7 @@ from kvtier.engine.runner import LlamaRunner, ModelRunner, make_runner
 from kvtier.kv.layout import KVLayout
 from kvtier.models import random_model
 from kvtier.runtime import DecodeBatch
-from tests.engine.tiny import CHUNK, engine_config, reference_tokens
+from tests.engine.tiny import CHUNK, engine_config, record_one_call_steps, reference_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = (5, 23, 40, 70, 33)
@@ -130,14 +130,7 @@ def test_one_call_for_a_decode_steps_layers_gives_the_loops_bits(
     layer loop give the same logits, bit for bit, at every step of a batched generation."""
     if native.ops() is None:
         pytest.skip("kvtier's CPU kernels are not built here")
-    fused_steps: list[bool] = []
-    original = LlamaModel._decode_layers
-
-    def recording(self: LlamaModel, *args: Any) -> None:
-        fused_steps.append(True)
-        original(self, *args)
-
-    monkeypatch.setattr(LlamaModel, "_decode_layers", recording)
+    fused_steps = record_one_call_steps(monkeypatch)
     model = family_model(name, tokenizer)
     MEASURED_ROWS[model] = {torch.get_num_threads(): 64}  # linear_panels up to 64 rows
     config = dataclasses.replace(engine_config(), runner="kvtier")

@@ -94,6 +94,22 @@ def with_remote(config: EngineConfig, url: str, prefix: str | None = None) -> En
     )
 
 
+def record_one_call_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch ``LlamaModel._decode_layers`` to note the row count of every decode step it
+    runs in one call (then runs it); the list fills as the engine steps."""
+    from kvtier.engine.llama import LlamaModel
+
+    rows: list[int] = []
+    original = LlamaModel._decode_layers
+
+    def recording(self: LlamaModel, ops: Any, h: torch.Tensor, *args: Any) -> None:
+        rows.append(h.shape[0])
+        original(self, ops, h, *args)
+
+    monkeypatch.setattr(LlamaModel, "_decode_layers", recording)
+    return rows
+
+
 def reference_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers ``generate`` with its own ``DynamicCache``."""
     ids = torch.tensor([prompt_ids])

@@ -369,6 +369,7 @@ class LlamaModel:
         n = h.shape[0]
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         eps = self.eps
+        last_index = len(self.layers) - 1
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(x)  # [N, (Hq+2Hkv) D]
@@ -382,11 +383,11 @@ class LlamaModel:
             v4 = v[None].transpose(1, 2)
             out = attend_layer(index, q4, k4, v4, kvs, spans, batch, rest, self.scale)
             out = out.view(n, hq * dim)
-            if index + 1 == len(self.layers) and keep is not None:
+            if index == last_index and keep is not None:
                 h, out = h.index_select(0, keep), out.index_select(0, keep)
             x = ops.add_rms_norm(h, layer.o(out), layer.post_norm, eps)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
-            if index + 1 < len(self.layers):
+            if index < last_index:
                 x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
             else:
                 h += down
