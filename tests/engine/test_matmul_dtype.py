@@ -15,6 +15,7 @@ from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.linear import make_linear
 from kvtier.engine.runner import make_runner
 from kvtier.models import random_model
+from kvtier.runtime import low_attend
 from tests.engine.tiny import engine_config, reference_tokens, tiny_model
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
@@ -88,3 +89,36 @@ def test_matmul_dtype_is_checked_in_one_line(tokenizer: Any) -> None:
         make_runner(llama, torch.device("cpu"), "transformers", torch.bfloat16)
     runner = make_runner(llama, torch.device("cpu"), "auto", torch.bfloat16)
     assert "projections in bfloat16" in runner.name
+
+
+@pytest.mark.skipif(not ONEDNN or native.ops() is None, reason="needs oneDNN and kvtier's kernels")
+def test_a_long_prompt_attends_in_bf16_and_stays_close_to_float32(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1,100-token prompt on a head-dim-64 llama: in bf16 its passes take torch's bf16
+    flash kernel (every layer), in float32 kvtier's own; the first token's
+    log-probability stays close."""
+    model = random_model("llama", seed=5, vocab_size=len(tokenizer), head_dim=64)
+    passes: list[tuple[int, int]] = []
+    real = low_attend.attend_prefill_low
+
+    def counted(query: torch.Tensor, k_old: torch.Tensor, *args: Any) -> None:
+        passes.append((query.shape[1], k_old.shape[1]))
+        real(query, k_old, *args)
+
+    monkeypatch.setattr(low_attend, "attend_prefill_low", counted)
+    base = engine_config()
+    cache = dataclasses.replace(base.cache, device_budget_bytes=64 * base.cache.device_budget_bytes)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    prompt = [(300 + 7 * i) % 4000 for i in range(1100)]
+    runs = []
+    for low in (None, "bfloat16"):
+        config = dataclasses.replace(
+            base, runner="kvtier", matmul_dtype=low, cache=cache, prefill_tokens_per_step=2048
+        )
+        with Engine(model, tokenizer, config) as engine:
+            runs.append(engine.submit(prompt, params).result())
+        assert len(passes) == (0 if low is None else model.config.num_hidden_layers)
+    assert passes[0] == (1100, 0)  # the whole prompt in one pass, over no earlier keys
+    exact, rounded = (run.logprobs[0].logprob for run in runs)  # the prompt's next token
+    assert abs(exact - rounded) < 0.05 and exact != rounded

@@ -94,9 +94,10 @@ class LlamaModel:
     Args:
         model: a loaded ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3) in eval mode.
         matmul_dtype: None multiplies in the weights' dtype (exact against transformers);
-            ``bfloat16`` runs every projection in bf16 on oneDNN (float32 accumulation;
-            everything else, the KV included, stays in the model's dtype): faster, and the
-            tokens drift from transformers' (``kvtier bench peers --matmul-dtype``).
+            ``bfloat16`` runs every projection in bf16 on oneDNN and long prefill passes'
+            attention on torch's bf16 flash kernel (float32 accumulation; everything else,
+            the KV included, stays in the model's dtype): faster, and the tokens drift
+            from transformers' (``kvtier bench peers --bf16``).
 
     Raises:
         ValueError: the model does not have the shape (``supports`` says why not).
@@ -291,7 +292,9 @@ class LlamaModel:
             q = self._rope(q.transpose(1, 2), cos, sin)  # [1, Hq, N, D]
             k = self._rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, N, D]
             v = v.transpose(1, 2)
-            out = attend_layer(index, q, k, v, kvs, spans, batch, rest, self.scale)  # [1, N, Hq, D]
+            out = attend_layer(
+                index, q, k, v, kvs, spans, batch, rest, self.scale, self.matmul_dtype
+            )
             out = out.reshape(n, hq * dim)
             if index == last_index and keep is not None:
                 h, out = h[keep], out[keep]
@@ -381,7 +384,9 @@ class LlamaModel:
             ops.rope_(k, cos, sin)
             q4, k4 = q[None].transpose(1, 2), k[None].transpose(1, 2)  # [1, H, N, D] views
             v4 = v[None].transpose(1, 2)
-            out = attend_layer(index, q4, k4, v4, kvs, spans, batch, rest, self.scale)
+            out = attend_layer(
+                index, q4, k4, v4, kvs, spans, batch, rest, self.scale, self.matmul_dtype
+            )
             out = out.view(n, hq * dim)
             if index == last_index and keep is not None:
                 h, out = h.index_select(0, keep), out.index_select(0, keep)

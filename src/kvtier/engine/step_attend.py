@@ -29,11 +29,13 @@ def attend_layer(
     batch: DecodeBatch | None,
     rest: Sequence[int],
     scale: float,
+    low: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Every span's attention, ``[1, N, Hq, D]`` (a new tensor), from ``q [1, Hq, N, D]``
     and ``k``/``v [1, Hkv, N, D]`` (views are fine): the decode rows of ``batch`` in one
     call, the spans ``rest`` (indices into ``spans``) each over its own KV; ``kvs`` None:
-    each span causally over its own tokens."""
+    each span causally over its own tokens. ``low``: long prefill passes' attention
+    operands' dtype (``kvtier.runtime.attend_packed``); None: float32."""
     if kvs is None:
         out = torch.empty(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
         for start, length in spans:
@@ -56,5 +58,5 @@ def attend_layer(
             s, m = spans[i]
             views.append(kvs[i].write(layer_idx, k[:, :, s : s + m], v[:, :, s : s + m]))
         view = PackedKV(layer_idx, views, [spans[i] for i in rest])
-        attend_packed(view, q, scale, out)
+        attend_packed(view, q, scale, out, low=low)
     return out

@@ -23,6 +23,7 @@ import torch
 
 from kvtier import native
 from kvtier.attention import SegmentResult, attend_flat, attend_own_keys, attend_segment, merge
+from kvtier.runtime import low_attend
 from kvtier.runtime.host_attend import attend_sealed, on_host
 from kvtier.runtime.view import LayerKV, PackedKV
 
@@ -48,11 +49,14 @@ def attend_packed(
     scale: float,
     out: torch.Tensor | None = None,
     softcap: float | None = None,
+    low: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``query [1, Hq, N, D]`` of packed spans → ``[1, N, Hq, D]``, each span over its own
     sequence's KV. ``out``: the step's output to write the spans' rows into (the other
     rows are left as they are); None: a new one. ``softcap``: the layer's attention logit
-    soft-cap (None: none).
+    soft-cap (None: none). ``low`` (``bfloat16``, kvtier's bf16 mode): long passes that
+    the fused kernel would take attend with their operands rounded to it instead
+    (``kvtier.runtime.low_attend``); None: float32 throughout.
 
     Decode spans (one query) of full-attention layers whose whole KV is resident and
     unpadded take a fast path: one attention call per segment and row, and one merge for
@@ -68,7 +72,12 @@ def attend_packed(
         span = query[:, :, start : start + length]
         fused = _fused_inputs(row, span, softcap)
         if fused is not None:
-            fused[0].attend_prefill(span[0], *fused[1:], out[0, start : start + length], scale)
+            rows = out[0, start : start + length]
+            ops, k_old, v_old, k_new, v_new = fused
+            if low is not None and low_attend.takes(length, k_old.shape[1]):
+                low_attend.attend_prefill_low(span[0], k_old, v_old, k_new, v_new, rows, scale, low)
+            else:
+                ops.attend_prefill(span[0], k_old, v_old, k_new, v_new, rows, scale)
             continue
         result = attend(row, span, scale, softcap)
         out[:, start : start + length] = result.transpose(1, 2)

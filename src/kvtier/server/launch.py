@@ -106,7 +106,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="the model's forward: kvtier's own for the Llama family (auto), or transformers'",
     )
-    low = "projections in bf16: faster, tokens drift (default: the weights' dtype, exact)"
+    low = (
+        "projections and long prefill attention in bf16: faster, tokens drift "
+        "(default: the weights' dtype, exact)"
+    )
     parser.add_argument("--matmul-dtype", choices=("bfloat16",), default=None, help=low)
     parser.add_argument(
         "--max-batch-size",
