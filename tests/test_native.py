@@ -234,6 +234,40 @@ def test_linear_panels_rows_do_not_change_each_others_bits() -> None:
         assert torch.equal(_ops().linear_panels(x[:rows], panels, b, 100), alone[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(100, 150), (21, 63), (96, 576)])
+def test_bf16_panels_multiply_the_rounded_input(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """bf16 panels hold pairs of k (an odd I padded with a zero k); the input is rounded to
+    bf16 and the products summed in float32: on AMX tiles where the CPU has them and I / 2
+    is a multiple of 16 (576), on the vector tiles otherwise (150, 63)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen)
+    panels = _ops().pack_panels(w)
+    assert panels.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16, 2)
+    assert torch.equal(panels[0, 0, :, 0], w[:16, 0]) and torch.equal(panels[0, 0, :, 1], w[:16, 1])
+    want = F.linear(x.bfloat16().double(), w.double(), b.double()).float()
+    got = _ops().linear_panels(x, panels, b, out_features)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(got, F.linear(x, w.float(), b))  # x was rounded
+
+
+def test_bf16_panels_rows_do_not_change_each_others_bits() -> None:
+    gen = torch.Generator().manual_seed(6)
+    for in_features in (150, 576):
+        w = torch.randn(100, in_features, generator=gen).bfloat16()
+        panels = _ops().pack_panels(w)
+        x = torch.randn(40, in_features, generator=gen)
+        alone = torch.cat(
+            [_ops().linear_panels(x[i : i + 1], panels, None, 100) for i in range(40)]
+        )
+        for rows in (3, 16, 17, 40):
+            assert torch.equal(_ops().linear_panels(x[:rows], panels, None, 100), alone[:rows])
+
+
 def test_linear_panels_refuses_mismatched_inputs() -> None:
     panels = _ops().pack_panels(torch.zeros(20, 90))
     with pytest.raises(RuntimeError, match="must match x's I"):

@@ -42,18 +42,18 @@ def test_a_bf16_projection_is_the_product_of_the_rounded_input_and_weight() -> N
 
 
 @pytest.mark.skipif(native.ops() is None, reason="needs kvtier's CPU kernels")
-def test_few_rows_read_the_bf16_weight_widened_with_float32_inputs() -> None:
-    """``linear_panels`` on a bf16 weight: the float32 product of ``x`` and the weight
-    widened exactly (half the bytes read; only the summation order differs from torch's)."""
+def test_few_rows_multiply_the_bf16_weight_and_the_rounded_input() -> None:
+    """``linear_panels`` on a bf16 weight (pairs of k): the float32 sums of the bf16 input's
+    and weight's products, as oneDNN's bf16 matmul above ``rows_max``."""
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(80, 64, generator=gen), torch.randn(80, generator=gen)
     linear = make_linear(weight, bias, native.ops(), torch.bfloat16)
     assert linear.kernels is not None and linear.panels is not None
     assert linear.panels.dtype == torch.bfloat16
-    widened = (weight.bfloat16().float(), bias.bfloat16().float())
+    widened = (weight.bfloat16().double(), bias.bfloat16().double())
     for rows in (1, 2, 7, 8, 9, 16, 17, linear.rows_max):
         x = torch.randn(rows, 64, generator=gen)
-        want = torch.nn.functional.linear(x, *widened)
+        want = torch.nn.functional.linear(x.bfloat16().double(), *widened).float()
         torch.testing.assert_close(linear(x), want, atol=1e-5, rtol=1e-5)
 
 

@@ -47,14 +47,14 @@ class Linear:
     pack: torch.Tensor | None
     out_features: int
     in_features: int
-    panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16]
+    panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16]; bf16: [.., ceil(in / 2), 16, 2]
     kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
     rows_max: int = ROWS_KERNEL_MAX
     matmul_dtype: torch.dtype | None = None
-    """Set (``bfloat16``): ``pack``, ``panels`` and ``bias`` hold the weight in that dtype.
-    Up to ``rows_max`` rows ``linear_panels`` widens it as it reads (``x`` stays float32);
-    above, oneDNN rounds ``x`` to it too. Both accumulate in float32 and return ``x``'s
-    dtype."""
+    """Set (``bfloat16``): ``pack``, ``panels`` and ``bias`` hold the weight in that dtype
+    (``panels`` in pairs of k, AMX's layout). Both ``linear_panels`` (up to ``rows_max``
+    rows; on AMX tiles where the CPU has them) and oneDNN (above) round ``x`` to it,
+    accumulate in float32 and return ``x``'s dtype."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` → ``[N, out]``."""

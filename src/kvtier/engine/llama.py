@@ -166,8 +166,8 @@ class LlamaModel:
             for layer in self.layers:
                 projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
                 panels = [x.panels for x in projections if x.panels is not None]
-                if len(panels) < len(projections):
-                    break
+                if len(panels) < len(projections) or layer.down.in_features % 2 != 0:
+                    break  # (bf16 panels pair k: decode_layers takes an even MLP width)
                 qkv, o, gate_up, down = panels
                 weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
                 biases += [x.bias for x in projections]

@@ -14,7 +14,8 @@
 // h [N, H] (contiguous float32): the residual stream, the embedded tokens on entry and
 // the last layer's output on return (mutated in place). cos/sin [N, D] as rope_ takes
 // them. weights: per layer, in order, input_norm [H], qkv panels, o panels, post_norm [H],
-// gate_up panels, down panels (pack_panels' [P, I, 16], float32 or bfloat16); biases: per
+// gate_up panels, down panels (pack_panels' [P, I, 16] float32, or [P, I / 2, 16, 2]
+// bfloat16 pairs: the MLP's inner width then even, as LlamaModel checks); biases: per
 // layer qkv, o, gate_up, down (each None or [out]). slab, seats, tail_pos, lo, hi, rows as
 // decode_attend takes them (its layer index is the position in the lists; the slab is
 // mutated: each layer's new K/V). Threads: each operator's own (kvtier_pool for up to 64
@@ -71,10 +72,12 @@ void decode_layers(const at::Tensor& h, const at::Tensor& cos, const at::Tensor&
     const at::Tensor o = kvtier_ops::linear_panels(out.view({n, q_width}), weight(layer, 2),
                                                    bias(layer, 1), hidden);
     x = kvtier_ops::add_rms_norm(h, o, weight(layer, 3), eps);
-    const at::Tensor gate_up = kvtier_ops::linear_panels(
-        x, weight(layer, 4), bias(layer, 2), 2 * weight(layer, 5).size(1));
-    const at::Tensor down = kvtier_ops::linear_panels(kvtier_ops::silu_mul(gate_up),
-                                                      weight(layer, 5), bias(layer, 3), hidden);
+    const at::Tensor& down_panels = weight(layer, 5);  // bf16: pairs of k (an even I)
+    const int64_t inner = down_panels.size(1) * (down_panels.dim() == 4 ? 2 : 1);
+    const at::Tensor gate_up =
+        kvtier_ops::linear_panels(x, weight(layer, 4), bias(layer, 2), 2 * inner);
+    const at::Tensor down = kvtier_ops::linear_panels(kvtier_ops::silu_mul(gate_up), down_panels,
+                                                      bias(layer, 3), hidden);
     if (layer + 1 < layers) {
       x = kvtier_ops::add_rms_norm(h, down, weight(layer + 1, 0), eps);
     } else {

@@ -27,8 +27,21 @@
 // AMD EPYC (Zen 4), against torch's oneDNN on its packed weights: 1 row 15.0 ms against
 // 27.1, 16 rows 30.7 against 35.6, 64 rows 90.8 against 102.6.
 //
-// Weights float32 or bfloat16 (widened exactly as read: half the bytes); x, bias and y
-// float32 (a bf16 bias is widened too); sums in float32, each output's k in order. Threads:
+// bfloat16 weights are packed in pairs of k, panels [P, ceil(I / 2), 16, 2] (a line: 16
+// outputs x 2 k, 64 bytes, as a float32 line), and x is rounded to bf16 once per call (as
+// oneDNN's bf16 matmul rounds it). On a CPU with AMX (and I / 2 a multiple of 16) the
+// product runs on AMX tiles, whose B operand this layout is (linear_amx below); elsewhere
+// the same tiles of 8 rows x 3 panels run with AVX-512 BF16's vdpbf16ps, or without it two
+// FMAs per pair. Measured on the 2-core Intel Xeon with AMX, every projection of SmolLM2-135M
+// in bf16 once (121 calls, 270 MB), best of 6, two processes each alternating with the
+// widening kernel before (bf16 [P, I, 16] panels widened to float32 as read, x float32):
+// 1 row 8.5-8.7 against 11.1-11.4 ms, 8 rows 8.2-8.6 against 11.9-12.5, 16 rows 8.6-8.8
+// against 16.3, 32 rows 11.0-11.2 against 32.1, 64 rows 16.4-17.0 against 61.3-61.8. There
+// vdpbf16ps itself ran at a quarter of the FMAs' rate (a loop of independent ones: 1.47
+// against 5.9 G instructions/s), so without AMX it lost to widening from 8 rows up (16
+// rows 25 against 16.3 ms); on AMD Zen 4 it issues at the FMAs' rate, unmeasured here.
+//
+// x, bias and y float32 (a bf16 bias is widened); sums in float32. Threads:
 // kvtier_pool::parallel_for_rows over panel blocks (pool.h). Inputs are checked.
 
 #include <ATen/ATen.h>
@@ -37,6 +50,11 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "ops.h"
 #include "pool.h"
@@ -51,20 +69,58 @@ constexpr int kTileRows = 8;
 constexpr int kTilePanels = 3;
 constexpr int64_t kBlockK = 64;    // k values per turn when 8-row groups share a block
 constexpr int64_t kParkRows = 64;  // rows whose accumulators one block parks at a time
-constexpr int64_t kPrefetchK = 16;  // how far ahead (in k) each tile prefetches its panels
+constexpr int64_t kPrefetchK = 16;
+constexpr int64_t kDotRowsMax = 0;
+constexpr int64_t kAmxRowsMin = 1;  // how far ahead (in k) each tile prefetches its panels
 
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "pack_panels: w must be [O, I], float32 or bfloat16");
   const int64_t out_n = w.size(0), in = w.size(1);
   const int64_t panels = (out_n + kPanel - 1) / kPanel;
-  at::Tensor padded = at::zeros({panels * kPanel, in}, w.options());
-  padded.narrow(0, 0, out_n).copy_(w);
-  // [P, 16, I] -> [P, I, 16]
-  return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();
+  if (w.scalar_type() == at::kFloat) {
+    at::Tensor padded = at::zeros({panels * kPanel, in}, w.options());
+    padded.narrow(0, 0, out_n).copy_(w);
+    // [P, 16, I] -> [P, I, 16]
+    return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();
+  }
+  const int64_t lines = (in + 1) / 2;  // pairs of k; an odd I gets a zero k
+  at::Tensor padded = at::zeros({panels * kPanel, 2 * lines}, w.options());
+  padded.narrow(0, 0, out_n).narrow(1, 0, in).copy_(w);
+  // [P, 16, I/2, 2] -> [P, I/2, 16, 2]
+  return padded.view({panels, kPanel, lines, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// Rows r < R of one 8-row group times C panels, over k in [k0, k1): the R x C accumulators
+// One line of a panel, the 16 outputs' weights at one k (float32) or at one pair of k
+// (bfloat16 pairs), and how a tile multiplies it with one row's x there.
+struct Float32Lines {
+  using W = float;
+  using X = float;
+  static vfloat load_w(const float* p) { return load(p); }
+  static vfloat splat_x(float x) { return splat(x); }  // vec.h: one broadcast load
+  static vfloat madd(vfloat acc, vfloat w, vfloat x) { return acc + x * w; }
+};
+
+struct Bf16PairLines {
+  using W = uint32_t;  // two bf16 patterns, the lower the even k
+  using X = uint32_t;
+  static vuint load_w(const uint32_t* p) { return load_pairs(p); }
+  static XPair splat_x(uint32_t x) { return splat_pair(x); }
+  static vfloat madd(vfloat acc, vuint w, const XPair& x) { return fma_pairs(acc, w, x); }
+};
+
+#ifdef __AVX512BF16__
+struct Bf16DotLines {
+  using W = uint32_t;
+  using X = uint32_t;
+  static vuint load_w(const uint32_t* p) { return load_pairs(p); }
+  static __m512bh splat_x(uint32_t x) { return splat_pair_bits(x); }
+  static vfloat madd(vfloat acc, vuint w, __m512bh x) { return dot_pairs(acc, w, x); }
+};
+#endif
+
+// Rows r < R of one 8-row group times C panels, over lines k in [k0, k1) (a line: one k, or
+// one pair of k for bf16 pairs; `in` counts lines, in x's rows too): the R x C accumulators
 // start at zero (fresh) or from `park` ([R][C] vectors) and are parked there again.
 // Prefetches while a tile runs: `ahead`, each panel's line kPrefetchK values of k ahead;
 // and, spread evenly over the tile's k, lines [first, first + count) of the panels at
@@ -76,9 +132,9 @@ struct Prefetch {
   int64_t first, count;
 };
 
-template <int R, int C, typename W>
-inline void tile(const float* x, int64_t in, int64_t k0, int64_t k1, bool fresh, const W* w,
-                 vfloat* park, const Prefetch<W>& pf) {
+template <int R, int C, typename L, typename W = typename L::W>
+inline void tile(const typename L::X* x, int64_t in, int64_t k0, int64_t k1, bool fresh,
+                 const W* w, vfloat* park, const Prefetch<W>& pf) {
   vfloat acc[R][C] = {};
   if (!fresh) {
     for (int r = 0; r < R; ++r) {
@@ -87,8 +143,8 @@ inline void tile(const float* x, int64_t in, int64_t k0, int64_t k1, bool fresh,
   }
   const int64_t stride = in * kPanel;  // one panel
   for (int64_t k = k0; k < k1; ++k) {
-    vfloat wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load(w + c * stride + k * kPanel);
+    decltype(L::load_w(w)) wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = L::load_w(w + c * stride + k * kPanel);
     if (pf.ahead) {
       for (int c = 0; c < C; ++c) prefetch(w + c * stride + (k + kPrefetchK) * kPanel);
     }
@@ -97,8 +153,8 @@ inline void tile(const float* x, int64_t in, int64_t k0, int64_t k1, bool fresh,
       for (int c = 0; c < C; ++c) prefetch(pf.w + c * stride + line * kPanel);
     }
     for (int r = 0; r < R; ++r) {
-      const vfloat xb = splat(x[r * in + k]);  // vec.h: one broadcast load
-      for (int c = 0; c < C; ++c) acc[r][c] += xb * wv[c];
+      const auto xb = L::splat_x(x[r * in + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = L::madd(acc[r][c], wv[c], xb);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -106,18 +162,18 @@ inline void tile(const float* x, int64_t in, int64_t k0, int64_t k1, bool fresh,
   }
 }
 
-template <int C, typename W>
-inline void rows_tile(int64_t rows, const float* x, int64_t in, int64_t k0, int64_t k1,
+template <int C, typename L, typename W = typename L::W>
+inline void rows_tile(int64_t rows, const typename L::X* x, int64_t in, int64_t k0, int64_t k1,
                       bool fresh, const W* w, vfloat* park, const Prefetch<W>& pf) {
   switch (rows) {
-    case 1: tile<1, C>(x, in, k0, k1, fresh, w, park, pf); break;
-    case 2: tile<2, C>(x, in, k0, k1, fresh, w, park, pf); break;
-    case 3: tile<3, C>(x, in, k0, k1, fresh, w, park, pf); break;
-    case 4: tile<4, C>(x, in, k0, k1, fresh, w, park, pf); break;
-    case 5: tile<5, C>(x, in, k0, k1, fresh, w, park, pf); break;
-    case 6: tile<6, C>(x, in, k0, k1, fresh, w, park, pf); break;
-    case 7: tile<7, C>(x, in, k0, k1, fresh, w, park, pf); break;
-    default: tile<kTileRows, C>(x, in, k0, k1, fresh, w, park, pf); break;
+    case 1: tile<1, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
+    case 2: tile<2, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
+    case 3: tile<3, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
+    case 4: tile<4, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
+    case 5: tile<5, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
+    case 6: tile<6, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
+    case 7: tile<7, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
+    default: tile<kTileRows, C, L>(x, in, k0, k1, fresh, w, park, pf); break;
   }
 }
 
@@ -143,9 +199,9 @@ inline void store_block(const vfloat* park, int64_t rows, int64_t count, float* 
   }
 }
 
-template <typename W>
-void linear_panels_of(const float* x, const W* w, const float* bias, float* y, int64_t rows,
-                      int64_t in, int64_t out_n, int64_t panels) {
+template <typename L, typename W = typename L::W>
+void linear_panels_of(const typename L::X* x, const W* w, const float* bias, float* y,
+                      int64_t rows, int64_t in, int64_t out_n, int64_t panels) {
   const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
   kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
     vfloat park[kParkRows * kTilePanels];
@@ -178,14 +234,14 @@ void linear_panels_of(const float* x, const W* w, const float* bias, float* y, i
               pf.first = next_first + g * next_lines / groups;
               pf.count = next_first + (g + 1) * next_lines / groups - pf.first;
             }
-            const float* xr = x + (r0 + r) * in;
+            const auto* xr = x + (r0 + r) * in;
             vfloat* pr = park + r * count;
             if (count == 3) {
-              rows_tile<3>(n, xr, in, k0, k1, k0 == 0, wb, pr, pf);
+              rows_tile<3, L>(n, xr, in, k0, k1, k0 == 0, wb, pr, pf);
             } else if (count == 2) {
-              rows_tile<2>(n, xr, in, k0, k1, k0 == 0, wb, pr, pf);
+              rows_tile<2, L>(n, xr, in, k0, k1, k0 == 0, wb, pr, pf);
             } else {
-              rows_tile<1>(n, xr, in, k0, k1, k0 == 0, wb, pr, pf);
+              rows_tile<1, L>(n, xr, in, k0, k1, k0 == 0, wb, pr, pf);
             }
           }
         }
@@ -194,6 +250,118 @@ void linear_panels_of(const float* x, const W* w, const float* bias, float* y, i
     }
   });
 }
+
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX: C[m x 16] += A[m x 32 bf16] B[16 pairs x 16 outputs] per tdpbf16ps, where B is 16
+// lines of one bf16 panel (1 KiB, contiguous: the pairs layout is AMX's B layout) and A 16
+// lines of m rows of x. Tiles: 0-3 the accumulators of up to 4 panels, 4 the rows of x, 5
+// and 6 the panels' lines (alternating). The tile configuration is per thread: each task
+// loads its own and releases the tiles when done (torch's and oneDNN's AMX kernels load
+// theirs before use).
+constexpr int64_t kAmxPanels = 4;
+constexpr int64_t kAmxLines = 16;  // lines (pairs of k) per step
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kAmxAhead = 2 * kAmxLines;  // how far ahead (lines) a step prefetches
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands a process AMX's tile state only when asked (arch_prctl, once per process).
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+inline void configure_tiles(int64_t m) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 5; ++t) {  // C0-C3 and A: m rows of 64 bytes
+    cfg.rows[t] = static_cast<uint8_t>(m);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 5; t < 7; ++t) {  // B: 16 lines of 64 bytes
+    cfg.rows[t] = kAmxLines;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// y = x W^T + b on AMX: x [rows, 2 lines] bf16 patterns, w the pairs panels [P, lines, 16,
+// 2], lines a multiple of kAmxLines.
+void linear_amx(const uint16_t* x, const uint32_t* w, const float* bias, float* y, int64_t rows,
+                int64_t lines, int64_t out_n, int64_t panels) {
+  const int64_t blocks = (panels + kAmxPanels - 1) / kAmxPanels;
+  const int64_t panel_words = lines * kPanel;  // one panel, in pairs
+  kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
+    alignas(64) float part[kAmxRows * kPanel];
+    int64_t configured = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t p = b * kAmxPanels;
+      const int64_t count = std::min<int64_t>(kAmxPanels, panels - p);
+      const uint32_t* wb = w + p * panel_words;
+      for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+        const int64_t m = std::min<int64_t>(kAmxRows, rows - r0);
+        if (m != configured) {
+          configure_tiles(m);
+          configured = m;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint16_t* xa = x + r0 * 2 * lines;
+        for (int64_t k = 0; k < lines; k += kAmxLines) {
+          const uint32_t* wk = wb + k * kPanel;
+          if (k + kAmxAhead < lines) {
+            for (int64_t c = 0; c < count; ++c) {
+              const uint32_t* ahead = wk + c * panel_words + kAmxAhead * kPanel;
+              for (int64_t l = 0; l < kAmxLines; ++l) prefetch(ahead + l * kPanel);
+            }
+          }
+          _tile_loadd(4, xa + 2 * k, 4 * lines);
+          _tile_loadd(5, wk, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if (count > 1) {
+            _tile_loadd(6, wk + panel_words, 64);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (count > 2) {
+            _tile_loadd(5, wk + 2 * panel_words, 64);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (count > 3) {
+            _tile_loadd(6, wk + 3 * panel_words, 64);
+            _tile_dpbf16ps(3, 4, 6);
+          }
+        }
+        for (int64_t c = 0; c < count; ++c) {
+          switch (c) {
+            case 0: _tile_stored(0, part, 64); break;
+            case 1: _tile_stored(1, part, 64); break;
+            case 2: _tile_stored(2, part, 64); break;
+            default: _tile_stored(3, part, 64); break;
+          }
+          const int64_t first = (p + c) * kPanel;
+          const int64_t lanes = std::min<int64_t>(kPanel, out_n - first);
+          for (int64_t r = 0; r < m; ++r) {
+            float* dst = y + (r0 + r) * out_n + first;
+            for (int64_t l = 0; l < lanes; ++l) {
+              dst[l] = part[r * kPanel + l] + (bias != nullptr ? bias[first + l] : 0.f);
+            }
+          }
+        }
+      }
+    }
+    if (configured != 0) _tile_release();
+  });
+}
+#endif
 
 }  // namespace
 
@@ -204,13 +372,17 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   const auto wtype = panels.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "linear_panels: x must be a contiguous float32 [M, I]");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel &&
-                  (wtype == at::kFloat || wtype == at::kBFloat16),
-              "linear_panels: panels must be pack_panels' contiguous [P, I, 16] (float32 or "
-              "bfloat16)");
+  const bool pairs = wtype == at::kBFloat16;
   const int64_t rows = x.size(0), in = x.size(1), count = panels.size(0);
-  TORCH_CHECK(panels.size(1) == in && out_n > 0 && (out_n + kPanel - 1) / kPanel == count,
-              "linear_panels: panels [P, I, 16] must match x's I and hold out_features");
+  const int64_t lines = pairs ? (in + 1) / 2 : in;
+  TORCH_CHECK(panels.is_contiguous() && panels.size(0) > 0 &&
+                  (wtype == at::kFloat || wtype == at::kBFloat16) &&
+                  panels.dim() == (pairs ? 4 : 3) && panels.size(2) == kPanel &&
+                  (!pairs || panels.size(3) == 2),
+              "linear_panels: panels must be pack_panels' contiguous [P, I, 16] (float32) or "
+              "[P, ceil(I / 2), 16, 2] (bfloat16)");
+  TORCH_CHECK(panels.size(1) == lines && out_n > 0 && (out_n + kPanel - 1) / kPanel == count,
+              "linear_panels: panels must match x's I and hold out_features");
   at::Tensor b32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == out_n,
@@ -219,12 +391,31 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   }
   at::Tensor y = at::empty({rows, out_n}, x.options());
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  if (wtype == at::kBFloat16) {
-    const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-    linear_panels_of(x.data_ptr<float>(), wp, bp, y.data_ptr<float>(), rows, in, out_n, count);
+  const float* xp = x.data_ptr<float>();
+  if (pairs) {
+    // x rounded to bf16 once, each row padded to the panels' even width (zero past I)
+    at::Tensor xb = at::empty({rows, 2 * lines}, x.options().dtype(at::kBFloat16));
+    auto* xr = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+    for (int64_t r = 0; r < rows; ++r) {
+      round_bf16(xp + r * in, in, xr + r * 2 * lines);
+      if (in % 2 != 0) xr[r * 2 * lines + in] = 0;
+    }
+    const auto* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr<at::BFloat16>());
+    const auto* xw = reinterpret_cast<const uint32_t*>(xr);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (lines % kAmxLines == 0 && amx_granted()) {
+      linear_amx(xr, wp, bp, y.data_ptr<float>(), rows, lines, out_n, count);
+      return y;
+    }
+#endif
+#ifdef __AVX512BF16__
+    linear_panels_of<Bf16DotLines>(xw, wp, bp, y.data_ptr<float>(), rows, lines, out_n, count);
+#else
+    linear_panels_of<Bf16PairLines>(xw, wp, bp, y.data_ptr<float>(), rows, lines, out_n, count);
+#endif
   } else {
-    linear_panels_of(x.data_ptr<float>(), panels.data_ptr<float>(), bp, y.data_ptr<float>(),
-                     rows, in, out_n, count);
+    linear_panels_of<Float32Lines>(xp, panels.data_ptr<float>(), bp, y.data_ptr<float>(), rows,
+                                   in, out_n, count);
   }
   return y;
 }

@@ -82,31 +82,67 @@ inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 // end of its array (a prefetch never faults).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
-// 16 bfloat16 values (their raw 16-bit patterns) widened to float32: exact (a bf16 value is
-// the top half of its float32).
-typedef uint16_t vhalf16 __attribute__((vector_size(32)));
+// bfloat16 pairs (the projections' bf16 panels): a 32-bit word holds two bf16 patterns, the
+// lower half the even k. fma_pairs (two FMAs, any ISA) and dot_pairs (one vdpbf16ps, where
+// the CPU has AVX-512 BF16; it also flushes denormals to zero) add to each lane l: x_odd *
+// w_odd[l], then x_even * w_even[l] (each product of two bf16 values exact in float32, each
+// sum rounded once).
 typedef uint32_t vuint __attribute__((vector_size(64)));
-// With AVX-512 one vpmovzxwd: GCC's generic conversion, tuned for 256-bit vectors on Intel,
-// splits it into two halves and an insert.
-inline vfloat load(const uint16_t* p) {
-#ifdef __AVX512F__
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-  return reinterpret_cast<const vfloat&>(bits);
-#else
-  vhalf16 h;
-  std::memcpy(&h, p, sizeof h);
-  const vuint bits = __builtin_convertvector(h, vuint) << 16;
-  return reinterpret_cast<const vfloat&>(bits);
-#endif
+
+inline vuint load_pairs(const uint32_t* p) {
+  vuint v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) {  // one bfloat16 pattern
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+inline float bits_float(uint32_t bits) {
   float out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
+}
+
+// The pair in both halves' float32 values (for FMAs), or as it is (for vdpbf16ps).
+struct XPair {
+  vfloat odd, even;
+};
+inline XPair splat_pair(uint32_t x) {
+  return XPair{splat(bits_float(x & 0xFFFF0000u)), splat(bits_float(x << 16))};
+}
+inline vfloat fma_pairs(vfloat acc, vuint w, const XPair& x) {
+  const vuint odd = w & 0xFFFF0000u, even = w << 16;
+  acc += x.odd * reinterpret_cast<const vfloat&>(odd);
+  return acc + x.even * reinterpret_cast<const vfloat&>(even);
+}
+
+#ifdef __AVX512BF16__
+inline __m512bh splat_pair_bits(uint32_t x) {
+  const __m512i v = _mm512_set1_epi32(static_cast<int>(x));
+  return reinterpret_cast<const __m512bh&>(v);
+}
+inline vfloat dot_pairs(vfloat acc, vuint w, __m512bh x) {
+  const __m512 r = _mm512_dpbf16_ps(reinterpret_cast<const __m512&>(acc),
+                                    reinterpret_cast<const __m512bh&>(w), x);
+  return reinterpret_cast<const vfloat&>(r);
+}
+#endif
+
+// out[j] = x[j] rounded to bfloat16 (to nearest, ties to even; a NaN stays a NaN), j < n.
+inline void round_bf16(const float* x, int64_t n, uint16_t* out) {
+  int64_t j = 0;
+#ifdef __AVX512BF16__
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    const __m512bh r =
+        _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + j + kLanes), _mm512_loadu_ps(x + j));
+    _mm512_storeu_si512(out + j, reinterpret_cast<const __m512i&>(r));
+  }
+#endif
+  for (; j < n; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, x + j, sizeof bits);
+    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    out[j] = static_cast<uint16_t>(nan ? (bits >> 16) | 0x40u : rounded);
+  }
 }
 
 // s[j] = exp(s[j] - shift) for j < n; returns their sum.
