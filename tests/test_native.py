@@ -57,6 +57,25 @@ def test_silu_mul_over_the_whole_range() -> None:
     torch.testing.assert_close(_ops().silu_mul(gate_up), want)
 
 
+def test_norms_and_silu_mul_in_bf16_round_what_float32_gives() -> None:
+    """bf16 mode's activations: a norm may take a bf16 residual (widened exactly) and round
+    its output to bf16, silu_mul takes and gives bf16; each equals the float32 op on the
+    widened input, rounded to nearest even as torch rounds."""
+    gen = torch.Generator().manual_seed(3)
+    x, res = torch.randn(40, 576, generator=gen), torch.randn(40, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    assert torch.equal(_ops().rms_norm(x, w, 1e-5, True), _ops().rms_norm(x, w, 1e-5).bfloat16())
+    low, wide = res.bfloat16(), res.bfloat16().float()
+    summed_low, summed_wide = x.clone(), x.clone()
+    y = _ops().add_rms_norm(summed_low, low, w, 1e-6, True)
+    want = _ops().add_rms_norm(summed_wide, wide, w, 1e-6)
+    assert torch.equal(summed_low, summed_wide) and torch.equal(y, want.bfloat16())
+    gate_up = (torch.randn(7, 2 * 1536, generator=gen) * 4).bfloat16()
+    out = _ops().silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, _ops().silu_mul(gate_up.float()).bfloat16())
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("dim", [16, 64, 128])  # any head dim; 64, 128: kernels compiled for them
 def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(

@@ -13,6 +13,7 @@ import torch
 from kvtier import native
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.linear import make_linear
+from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import make_runner
 from kvtier.models import random_model
 from kvtier.runtime import low_attend
@@ -122,3 +123,22 @@ def test_a_long_prompt_attends_in_bf16_and_stays_close_to_float32(
     assert passes[0] == (1100, 0)  # the whole prompt in one pass, over no earlier keys
     exact, rounded = (run.logprobs[0].logprob for run in runs)  # the prompt's next token
     assert abs(exact - rounded) < 0.05 and exact != rounded
+
+
+@pytest.mark.skipif(not ONEDNN or native.ops() is None, reason="needs oneDNN and kvtier's kernels")
+def test_bf16_activations_between_the_ops_give_the_same_bits(tokenizer: Any) -> None:
+    """A prefill step oneDNN multiplies: handing the projections bf16 activations (the
+    norms round, o / gate_up / down stay bf16) gives the logits float32 activations give,
+    since every projection rounds its input to bf16 anyway."""
+    model = random_model("llama", seed=6, vocab_size=len(tokenizer), head_dim=64)
+    llama = LlamaModel(model, torch.bfloat16)
+    assert llama.low_activations
+    ids = torch.tensor([(300 + 7 * i) % 4000 for i in range(300)])
+    positions = torch.cat([torch.arange(150), torch.arange(150)])
+    spans, rows = [(0, 150), (150, 150)], torch.tensor([149, 299])
+    assert ids.shape[0] > llama.layers[0].gate_up.rows_max  # oneDNN takes the step
+    with torch.no_grad():
+        low = llama.forward(ids, positions, None, spans, rows)
+        llama.low_activations = False
+        wide = llama.forward(ids, positions, None, spans, rows)
+    assert torch.equal(low, wide)

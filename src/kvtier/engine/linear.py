@@ -53,18 +53,21 @@ class Linear:
     matmul_dtype: torch.dtype | None = None
     """Set (``bfloat16``): ``pack``, ``panels`` and ``bias`` hold the weight in that dtype
     (``panels`` in pairs of k, AMX's layout). Both ``linear_panels`` (up to ``rows_max``
-    rows; on AMX tiles where the CPU has them) and oneDNN (above) round ``x`` to it,
-    accumulate in float32 and return ``x``'s dtype."""
+    rows; on AMX tiles where the CPU has them) and oneDNN (above) round ``x`` to it and
+    accumulate in float32; ``x`` may come already rounded."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, in]`` → ``[N, out]``."""
+    def __call__(self, x: torch.Tensor, low_out: bool = False) -> torch.Tensor:
+        """``x [N, in]`` (float32; or ``matmul_dtype`` where it is set) → ``[N, out]``
+        float32; with ``low_out``, oneDNN's product stays in ``matmul_dtype`` (the rows
+        ``linear_panels`` takes still come back float32)."""
         if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
+            x = x.float()  # a rounded x widens exactly
             return self.kernels.linear_panels(x, self.panels, self.bias, self.out_features)
         if self.pack is not None:
             low = self.matmul_dtype  # set: the pack's dtype, which the input takes too
             xin = x if low is None else x.to(low)
             out = torch.ops.mkldnn._linear_pointwise(xin, self.pack, self.bias, "none", [], "")
-            return out if low is None else out.to(x.dtype)
+            return out if low is None or low_out else out.float()
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 

@@ -147,6 +147,11 @@ class LlamaModel:
         self.decode_path = DecodePath(rows, ROWS_KERNEL_MAX)
         """One ``decode_layers`` call or the layer loop, by a decode step's row count."""
         self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
+        self.low_activations = matmul_dtype is not None and all(
+            x.pack is not None for layer in layers for x in (layer.o, layer.gate_up, layer.down)
+        )
+        """bf16 mode on oneDNN: a step's norms, o, gate/up, silu_mul and down may hand each
+        other bf16 activations (``_forward_native``)."""
         self.layers = [
             dataclasses.replace(
                 layer,
@@ -373,7 +378,10 @@ class LlamaModel:
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         eps = self.eps
         last_index = len(self.layers) - 1
-        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        # bf16 mode, rows oneDNN multiplies: the norms hand the projections x already
+        # rounded, and o, gate/up (through silu_mul) and down stay bf16 into the next op
+        low = self.low_activations and n > self.layers[0].gate_up.rows_max
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps, low)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(x)  # [N, (Hq+2Hkv) D]
             q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
@@ -390,10 +398,10 @@ class LlamaModel:
             out = out.view(n, hq * dim)
             if index == last_index and keep is not None:
                 h, out = h.index_select(0, keep), out.index_select(0, keep)
-            x = ops.add_rms_norm(h, layer.o(out), layer.post_norm, eps)
-            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            x = ops.add_rms_norm(h, layer.o(out, low), layer.post_norm, eps, low)
+            down = layer.down(ops.silu_mul(layer.gate_up(x, low)), low)
             if index < last_index:
-                x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
+                x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps, low)
             else:
                 h += down
         return h

@@ -399,52 +399,63 @@ void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots
 }
 
 // rms_norm: weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of x [..., H]
-// (contiguous float32); a new tensor. With residual: x += residual first (x is mutated),
-// then the norm of the sum.
+// (contiguous float32); a new tensor, float32 or, with bf16_out, rounded to bfloat16 (to
+// nearest even: what a bf16 matmul would round it to). With residual (float32 or bfloat16,
+// shaped like x): x += residual first (x is mutated), then the norm of the sum.
 at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
-                         const at::Tensor* residual) {
+                         const at::Tensor* residual, bool bf16_out) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() >= 1,
               "rms_norm: x must be a contiguous float32 tensor");
   const int64_t width = x.size(-1);
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
                   weight.numel() == width,
               "rms_norm: weight must be a contiguous float32 [", width, "]");
+  const bool low_residual = residual != nullptr && residual->scalar_type() == at::kBFloat16;
   if (residual != nullptr) {
-    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
+    TORCH_CHECK(residual->is_contiguous() &&
+                    (residual->scalar_type() == at::kFloat || low_residual) &&
                     residual->sizes() == x.sizes(),
-                "add_rms_norm: residual must be a contiguous float32 tensor shaped like x");
+                "add_rms_norm: residual must be a contiguous float32 or bfloat16 tensor "
+                "shaped like x");
   }
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = at::empty_like(x, bf16_out ? x.options().dtype(at::kBFloat16) : x.options());
   const int64_t n = x.numel() / width;
   float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  const float* rp = residual != nullptr ? residual->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  const void* rp = residual != nullptr ? residual->data_ptr() : nullptr;
+  void* yp = y.data_ptr();
   const float feps = static_cast<float>(eps);
   kvtier_pool::parallel_for_rows(n, 0, n, 16, [&](int64_t begin, int64_t end) {
+    // rows widened from or rounded to bf16 pass through here
+    std::vector<float> scratch(low_residual || bf16_out ? width : 0);
     for (int64_t i = begin; i < end; ++i) {
       float* row = xp + i * width;
       if (rp != nullptr) {
-        const float* add = rp + i * width;
+        const float* add = static_cast<const float*>(rp) + i * width;
+        if (low_residual) {
+          widen_bf16(static_cast<const uint16_t*>(rp) + i * width, width, scratch.data());
+          add = scratch.data();
+        }
 #pragma omp simd
         for (int64_t j = 0; j < width; ++j) row[j] += add[j];
       }
       const float inv = 1.f / std::sqrt(dot(row, row, width) / width + feps);
-      float* dst = yp + i * width;
+      float* dst = bf16_out ? scratch.data() : static_cast<float*>(yp) + i * width;
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) dst[j] = wp[j] * (row[j] * inv);
+      if (bf16_out) round_bf16(dst, width, static_cast<uint16_t*>(yp) + i * width);
     }
   });
   return y;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return rms_norm_impl(x, weight, eps, nullptr);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool bf16_out) {
+  return rms_norm_impl(x, weight, eps, nullptr, bf16_out);
 }
 
 at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                        const at::Tensor& weight, double eps) {
-  return rms_norm_impl(x, weight, eps, &residual);
+                        const at::Tensor& weight, double eps, bool bf16_out) {
+  return rms_norm_impl(x, weight, eps, &residual, bf16_out);
 }
 
 // rope_: rotates x [N, heads, D] in place (float32, last dim contiguous, any other
@@ -481,24 +492,38 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// silu_mul: silu(gate) * up of gate_up [N, 2I] (contiguous float32: gate, then up);
-// a new [N, I] tensor. silu(x) = x / (1 + exp(-x)).
+// silu_mul: silu(gate) * up of gate_up [N, 2I] (contiguous float32 or bfloat16: gate, then
+// up); a new [N, I] tensor of the same dtype (bf16: computed in float32, rounded to nearest
+// even). silu(x) = x / (1 + exp(-x)).
 at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const bool low = gate_up.scalar_type() == at::kBFloat16;
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() &&
-                  gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
-              "silu_mul: gate_up must be a contiguous float32 [N, 2I]");
+                  (gate_up.scalar_type() == at::kFloat || low) && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a contiguous float32 or bfloat16 [N, 2I]");
   const int64_t n = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor y = at::empty({n, width}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  if (!low) {
+    const float* gp = gate_up.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    kvtier_pool::parallel_for_rows(n, 0, n, 4, [=](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        silu_mul_row(gp + i * 2 * width, gp + i * 2 * width + width, yp + i * width, width);
+      }
+    });
+    return y;
+  }
+  const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   kvtier_pool::parallel_for_rows(n, 0, n, 4, [=](int64_t begin, int64_t end) {
+    std::vector<float> row(3 * width);  // gate, up, out
     for (int64_t i = begin; i < end; ++i) {
-      silu_mul_row(gp + i * 2 * width, gp + i * 2 * width + width, yp + i * width, width);
+      widen_bf16(gp + i * 2 * width, 2 * width, row.data());
+      silu_mul_row(row.data(), row.data() + width, row.data() + 2 * width, width);
+      round_bf16(row.data() + 2 * width, width, yp + i * width);
     }
   });
   return y;
 }
-
 
 }  // namespace kvtier_ops
 
@@ -507,8 +532,10 @@ TORCH_LIBRARY(kvtier_cpu, m) {
       "decode_attend(Tensor(a!) slab, int layer, Tensor seats, Tensor tail_pos, Tensor lo, "
       "Tensor hi, Tensor rows, Tensor query, Tensor new_k, Tensor new_v, Tensor(b!) out, "
       "Tensor(c!)? lse, float scale) -> ()");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool bf16_out=False) -> Tensor");
+  m.def(
+      "add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps, "
+      "bool bf16_out=False) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(

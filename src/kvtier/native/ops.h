@@ -21,10 +21,11 @@ void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots
                   const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse,
                   double scale);
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    bool bf16_out = false);
 
 at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                        const at::Tensor& weight, double eps);
+                        const at::Tensor& weight, double eps, bool bf16_out = false);
 
 void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

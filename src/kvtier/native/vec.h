@@ -145,6 +145,11 @@ inline void round_bf16(const float* x, int64_t n, uint16_t* out) {
   }
 }
 
+// out[j] = x[j] widened to float32 (exact: a bf16 value is the top half of its float32).
+inline void widen_bf16(const uint16_t* x, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = bits_float(static_cast<uint32_t>(x[j]) << 16);
+}
+
 // s[j] = exp(s[j] - shift) for j < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float shift) {
   vfloat acc{};
