@@ -176,9 +176,9 @@ def test_the_last_layer_runs_its_mlp_on_the_sampled_rows_only(
         def __init__(self, linear: Any, seen: list[int]) -> None:
             self.linear, self.seen = linear, seen
 
-        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        def __call__(self, x: torch.Tensor, low_out: bool = False) -> torch.Tensor:
             self.seen.append(x.shape[0])
-            return self.linear(x)  # type: ignore[no-any-return]
+            return self.linear(x, low_out)  # type: ignore[no-any-return]
 
     llama.layers = [
         dataclasses.replace(layer, o=Counted(layer.o, seen), gate_up=Counted(layer.gate_up, seen))

@@ -41,20 +41,14 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtier import native
 from kvtier.engine.decode_path import DecodePath
-from kvtier.engine.linear import (
-    MEASURED_ROWS,
-    ROWS_KERNEL_MAX,
-    Linear,
-    make_linear,
-    rows_kernel_max,
-)
+from kvtier.engine.layer_weights import decode_arguments, fuse_layer
+from kvtier.engine.linear import MEASURED_ROWS, ROWS_KERNEL_MAX, make_linear, rows_kernel_max
 from kvtier.engine.rope import RopeTable
 from kvtier.engine.step_attend import attend_layer
 from kvtier.runtime import DecodeBatch, SequenceKV
@@ -63,29 +57,6 @@ log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose transformers modelling has exactly the shape this module runs."""
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One decoder layer's weights."""
-
-    input_norm: torch.Tensor  # [H]
-    qkv: Linear  # [(Hq + 2 Hkv) * D, H]
-    q_norm: torch.Tensor | None  # [D] (Qwen3)
-    k_norm: torch.Tensor | None
-    o: Linear  # [H, Hq * D]
-    post_norm: torch.Tensor  # [H]
-    gate_up: Linear  # [2 I, H]
-    down: Linear  # [H, I]
-
-
-def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """Concatenate biases along the output dim; None when every part has none."""
-    if all(p is None for p in parts):
-        return None
-    if any(p is None for p in parts):
-        raise ValueError("a fused projection mixes parts with and without bias")
-    return torch.cat([p for p in parts if p is not None])
 
 
 class LlamaModel:
@@ -126,7 +97,7 @@ class LlamaModel:
         self.rope = RopeTable(base.rotary_emb)
         self.scale = float(base.layers[0].self_attn.scaling)
         self.act: Callable[[torch.Tensor], torch.Tensor] = base.layers[0].mlp.act_fn
-        layers = [self._fuse(layer) for layer in base.layers]
+        layers = [fuse_layer(layer, self.ops, matmul_dtype) for layer in base.layers]
         # linear_panels against oneDNN, measured here on the MLP's weights (the bulk of them),
         # once per model and thread count in a process
         measured = MEASURED_ROWS.setdefault(model, {})
@@ -162,22 +133,8 @@ class LlamaModel:
             )
             for layer in layers
         ]
-        # decode_layers' arguments: 6 weights and 4 biases per layer, or None (no kernels,
-        # a projection without panels, or Qwen3's per-head norms, which the op does not run)
-        self.decode_weights: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
-        if self.ops is not None and all(layer.q_norm is None for layer in self.layers):
-            weights: list[torch.Tensor] = []
-            biases: list[torch.Tensor | None] = []
-            for layer in self.layers:
-                projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-                panels = [x.panels for x in projections if x.panels is not None]
-                if len(panels) < len(projections) or layer.down.in_features % 2 != 0:
-                    break  # (bf16 panels pair k: decode_layers takes an even MLP width)
-                qkv, o, gate_up, down = panels
-                weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
-                biases += [x.bias for x in projections]
-            else:
-                self.decode_weights = (weights, biases)
+        # decode_layers' arguments, or None (no kernels, or a model the op cannot run)
+        self.decode_weights = decode_arguments(self.layers) if self.ops is not None else None
 
     @staticmethod
     def why_not(model: Any) -> str | None:
@@ -207,25 +164,6 @@ class LlamaModel:
     @classmethod
     def supports(cls, model: Any) -> bool:
         return cls.why_not(model) is None
-
-    def _fuse(self, layer: Any) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        q_norm = getattr(attn, "q_norm", None)
-        k_norm = getattr(attn, "k_norm", None)
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        ops, low = self.ops, self.matmul_dtype
-        qkv_bias = _cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-        return _Layer(
-            input_norm=layer.input_layernorm.weight,
-            qkv=make_linear(qkv, qkv_bias, ops, low),
-            q_norm=q_norm.weight if q_norm is not None else None,
-            k_norm=k_norm.weight if k_norm is not None else None,
-            o=make_linear(attn.o_proj.weight, attn.o_proj.bias, ops, low),
-            post_norm=layer.post_attention_layernorm.weight,
-            gate_up=make_linear(gate_up, _cat([mlp.gate_proj.bias, mlp.up_proj.bias]), ops, low),
-            down=make_linear(mlp.down_proj.weight, mlp.down_proj.bias, ops, low),
-        )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm: in float32, then the weight times the input dtype."""
