@@ -456,7 +456,12 @@ def main(argv: list[str] | None = None) -> int:
             "decode_tokens": args.decode_tokens,
             "kvtier_serve_flags": kvtier_flags(args.kv_gib),
             "decode_ms": "streaming completion: (stream end - first token) / (tokens - 1)",
-            "dtype": "vLLM bfloat16, kvtier projections in bfloat16" if args.bf16 else "float32",
+            "dtype": (
+                "vLLM bfloat16, kvtier --matmul-dtype bfloat16 (projections, long prefill "
+                "attention; KV float32)"
+                if args.bf16
+                else "float32"
+            ),
             "kvtier_commit": kvtier_commit(),
             "native_build_s": native_build_s,
             "venv": str(venv),
