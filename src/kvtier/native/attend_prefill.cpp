@@ -103,8 +103,11 @@ inline void pv_tile(const float* p, int64_t rows_total, int64_t nk, const float*
     for (int c = 0; c < C; ++c) {
       vj[c] = load(v + j * vs + c * kLanes);
       // Held in a register: GCC would otherwise fold the load into each row's FMA, RG
-      // 64-byte loads per vector where the core issues one a cycle (15 % slower).
+      // 64-byte loads per vector where the core issues one a cycle (15 % slower). Only
+      // with AVX-512: elsewhere a 16-lane vector is not one register.
+#ifdef __AVX512F__
       asm("" : "+v"(vj[c]));
+#endif
     }
     for (int g = 0; g < RG; ++g) {
       const float pj = p[j * rows_total + g];
