@@ -152,6 +152,35 @@ def test_attend_prefill_equals_masked_sdpa_on_strided_views(
 
 
 @pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "earlier", "tail", "new"),
+    [
+        (9, 3, 64, 3840, 240, 16),  # a next turn: chunks, then the tail's 240 tokens, 16 new
+        (9, 3, 64, 512, 100, 300),  # a pass longer than the tail before it
+        (8, 2, 128, 0, 129, 2),  # no chunks: the tail's keys alone before the pass
+        (4, 4, 64, 256, 1, 77),
+    ],
+)
+def test_attend_prefill_sees_the_tails_earlier_keys_too(
+    heads: int, kv_heads: int, dim: int, earlier: int, tail: int, new: int
+) -> None:
+    """k_new holds P keys before the pass (all visible) and then the pass's own: query i
+    sees k_old, k_new[:P] and k_new[P : P + i + 1]."""
+    torch.manual_seed(1)
+    q = torch.randn(new, heads, dim).transpose(0, 1)
+    k_old, v_old = torch.randn(2, kv_heads, earlier, dim)
+    k_new, v_new = torch.randn(2, kv_heads, tail + new, dim)
+    out = torch.empty(new, heads, dim)
+    _ops().attend_prefill(q, k_old, v_old, k_new, v_new, out, dim**-0.5)
+    mask = torch.ones(new, earlier + tail + new, dtype=torch.bool)
+    mask[:, earlier + tail :] = torch.ones(new, new, dtype=torch.bool).tril()
+    k, v = torch.cat([k_old, k_new], 1), torch.cat([v_old, v_new], 1)
+    want = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, scale=dim**-0.5, enable_gqa=True
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
     ("kv_heads", "groups", "dim", "tokens"), [(3, 3, 64, 256), (2, 2, 16, 300)]
 )
 def test_attend_slots_reads_chunks_where_they_lie(

@@ -3,7 +3,9 @@
 //
 //   query  [Hq, S, D]   the pass's queries (any strides, the last one 1)
 //   k_old, v_old [Hkv, R, D]   the keys before the pass, all visible (R may be 0)
-//   k_new, v_new [Hkv, S, D]   the pass's own keys: query i sees k_new[:, 0..i]
+//   k_new, v_new [Hkv, P + S, D]   P more keys before the pass, all visible, then the
+//                  pass's own: query i sees k_new[:, 0..P + i] (P = 0: the pass's own only;
+//                  P > 0: the tail of a sequence whose earlier chunks are k_old)
 //   out    [S, Hq, D]   written (any strides, the last one 1)
 //
 // Query head h reads KV head h / (Hq / Hkv). A work item is (KV head, 16 positions): its
@@ -198,7 +200,7 @@ void attend_prefill_impl(const at::Tensor& query, const at::Tensor& k_old,
                          const at::Tensor& v_old, const at::Tensor& k_new,
                          const at::Tensor& v_new, const at::Tensor& out, double scale) {
   const int64_t hq = query.size(0), len = query.size(1), hkv = k_new.size(0);
-  const int64_t groups = hq / hkv, old_len = k_old.size(1);
+  const int64_t groups = hq / hkv, old_len = k_old.size(1), pre = k_new.size(1) - len;
   const int64_t nv = groups, rows = nv * kLanes;  // one vector of 16 positions per head
   const int64_t blocks = (len + kPositions - 1) / kPositions;
   const int64_t items = blocks * hkv;
@@ -248,6 +250,13 @@ void attend_prefill_impl(const at::Tensor& query, const at::Tensor& k_old,
       }
       const float* kn = knp + h * k_new.stride(0);
       const float* vn = vnp + h * v_new.stride(0);
+      for (int64_t j = 0; j < pre; j += kKeys) {  // the visible keys before the pass's own
+        const int64_t nk = std::min(kKeys, pre - j);
+        attend_block<D>(it, kn + j * k_new.stride(1), k_new.stride(1), vn + j * v_new.stride(1),
+                        v_new.stride(1), nk, -1, p0);
+      }
+      kn += pre * k_new.stride(1);
+      vn += pre * v_new.stride(1);
       for (int64_t j = 0, end = p0 + np; j < end; j += kKeys) {
         const int64_t nk = std::min(kKeys, end - j);
         attend_block<D>(it, kn + j * k_new.stride(1), k_new.stride(1), vn + j * v_new.stride(1),
@@ -285,8 +294,8 @@ void attend_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::
   const int64_t hkv = k_new.size(0);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "attend_prefill: query heads ", hq,
               " are not a multiple of KV heads ", hkv);
-  TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.size(1) == len && k_new.size(2) == dim,
-              "attend_prefill: k_new/v_new must be [Hkv, S, D] like the query's S and D");
+  TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.size(1) >= len && k_new.size(2) == dim,
+              "attend_prefill: k_new/v_new must be [Hkv, P + S, D] for the query's S and D");
   TORCH_CHECK(k_old.sizes() == v_old.sizes() && k_old.size(0) == hkv && k_old.size(2) == dim,
               "attend_prefill: k_old/v_old must be [Hkv, R, D]");
   TORCH_CHECK(out.size(0) == len && out.size(1) == hq && out.size(2) == dim,
