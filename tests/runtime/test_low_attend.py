@@ -78,3 +78,18 @@ def test_shapes_that_disagree_are_refused_in_one_line() -> None:
     out = torch.empty(600, 6, 64)
     with pytest.raises(ValueError, match=r"attend_prefill_low: query \(6, 600, 64\)"):
         low_attend.attend_prefill_low(q, k[:, :0], k[:, :0], k, k, out, 0.125)
+
+
+def test_keys_leading_k_new_are_visible_to_every_query() -> None:
+    """``attend_prefill``'s contract: k_new may lead with P keys before the pass (a tail
+    over resident chunks); they join the earlier keys' merge."""
+    torch.manual_seed(1)
+    q = torch.randn(9, 600, 64)
+    k_old, v_old = torch.randn(2, 3, 512, 64)
+    k_new, v_new = torch.randn(2, 3, 100 + 600, 64)
+    assert low_attend.takes(600, 512 + 100)
+    out = torch.empty(600, 9, 64)
+    low_attend.attend_prefill_low(q, k_old, v_old, k_new, v_new, out, 0.125, torch.bfloat16)
+    k, v = torch.cat([k_old, k_new], 1), torch.cat([v_old, v_new], 1)
+    rounded = _reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), 612)
+    torch.testing.assert_close(out, rounded, atol=8e-3, rtol=2**-7)

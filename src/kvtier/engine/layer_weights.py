@@ -81,9 +81,7 @@ def decode_arguments(
     for layer in layers:
         projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
         panels = [x.panels for x in projections if x.panels is not None]
-        if len(panels) < len(projections) or layer.q_norm is not None:
-            return None
-        if layer.down.in_features % 2 != 0:
+        if len(panels) < 4 or layer.q_norm is not None or layer.down.in_features % 2 != 0:
             return None
         qkv, o, gate_up, down = panels
         weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]

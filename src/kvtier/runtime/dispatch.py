@@ -74,8 +74,8 @@ def attend_packed(
         if fused is not None:
             rows = out[0, start : start + length]
             ops, k_old, v_old, k_new, v_new = fused
-            own = k_new.shape[1] == length  # else the tail's earlier keys lead k_new
-            if low is not None and own and low_attend.takes(length, k_old.shape[1]):
+            earlier = k_old.shape[1] + k_new.shape[1] - length  # k_new may lead with some
+            if low is not None and low_attend.takes(length, earlier):
                 low_attend.attend_prefill_low(span[0], k_old, v_old, k_new, v_new, rows, scale, low)
             else:
                 ops.attend_prefill(span[0], k_old, v_old, k_new, v_new, rows, scale)

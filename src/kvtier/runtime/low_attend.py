@@ -1,12 +1,12 @@
 """A long prefill pass's attention with its operands rounded to bf16, on torch's CPU flash
 kernel: kvtier's bf16 mode (``EngineConfig.matmul_dtype``) for attention.
 
-The pass's queries attend its own keys causally in one call and its earlier keys (resident
-chunks or the tail before the pass) in a second call without a mask, the query heads that
-share a KV head folded into the query length; the two are merged exactly by their
-log-sum-exp. Scores, softmax and sums accumulate in float32 inside torch's kernel; the
-result is written in float32. The KV cache stays float32: each call rounds the keys it
-reads.
+The pass's queries attend its own keys causally in one call and each run of earlier keys
+(resident chunks, the tail before the pass) in a call without a mask, the query heads that
+share a KV head folded into the query length; the parts are merged exactly by their
+log-sum-exps (``kvtier.attention.merge``). Scores, softmax and sums accumulate in float32
+inside torch's kernel; the result is written in float32. The KV cache stays float32: each
+call rounds the keys it reads.
 
 Measured against kvtier's float32 ``attend_prefill`` (SmolLM2's shape: 9 query heads over
 3, D 64; Intel Xeon with AMX, 2 threads, best of 7; S new tokens over E earlier keys):
@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from kvtier.attention import SegmentResult, merge
 
 LOW_MIN_PAIRS = 1 << 18
 """A pass takes the bf16 kernel when its causal query-key pairs per head,
@@ -62,8 +64,10 @@ def attend_prefill_low(
     dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """``query [Hq, S, D]`` (any strides) over ``k_old``/``v_old [Hkv, E, D]`` (E may be 0)
-    and causally over ``k_new``/``v_new [Hkv, S, D]``, with the operands rounded to
-    ``dtype``; writes ``out [S, Hq, D]`` (float32). Call only where ``takes`` holds.
+    and ``k_new``/``v_new [Hkv, P + S, D]`` (``attend_prefill``'s contract: the first P
+    visible to every query, then the pass's own, causally), with the operands rounded to
+    ``dtype``; writes ``out [S, Hq, D]`` (float32). Call only where ``takes`` holds (with
+    E + P earlier keys).
 
     Raises:
         ValueError: the query heads are not a multiple of the KV heads, or the shapes
@@ -72,11 +76,17 @@ def attend_prefill_low(
     flash = _FLASH
     assert flash is not None, "attend_prefill_low: call only where takes() holds"
     hq, sq, dim = query.shape
-    hkv, earlier = k_old.shape[0], k_old.shape[1]
-    if hq % hkv != 0 or k_new.shape != (hkv, sq, dim) or tuple(out.shape) != (sq, hq, dim):
+    hkv, pre = k_new.shape[0], k_new.shape[1] - sq
+    if (
+        hq % hkv != 0
+        or pre < 0
+        or k_new.shape[2] != dim
+        or k_old.shape[0] != hkv
+        or tuple(out.shape) != (sq, hq, dim)
+    ):
         raise ValueError(
             f"attend_prefill_low: query {tuple(query.shape)}, new keys {tuple(k_new.shape)}, "
-            f"out {tuple(out.shape)}: need [Hq, S, D], [Hkv, S, D], [S, Hq, D], Hkv | Hq"
+            f"out {tuple(out.shape)}: need [Hq, S, D], [Hkv, P + S, D], [S, Hq, D], Hkv | Hq"
         )
     groups = hq // hkv
     q = query.to(dtype, memory_format=torch.contiguous_format)  # [Hq, S, D], owned here
@@ -84,25 +94,24 @@ def attend_prefill_low(
     shape = (hkv, groups, sq, dim)
     own, own_lse = flash(
         q.view(shape),
-        k_new.to(dtype)[:, None].expand(shape),
-        v_new.to(dtype)[:, None].expand(shape),
+        k_new[:, pre:].to(dtype)[:, None].expand(shape),
+        v_new[:, pre:].to(dtype)[:, None].expand(shape),
         0.0,
         True,
         scale=scale,
     )  # [Hkv, G, S, D], [Hkv, G, S]
-    if earlier == 0:
-        out.copy_(own.reshape(hq, sq, dim).transpose(0, 1))
-        return
+    parts = [SegmentResult(own.reshape(1, hq, sq, dim).float(), own_lse.reshape(1, hq, sq))]
     # earlier keys: every query sees all of them; the group folds into the query length
-    old, old_lse = flash(
-        q.view(1, hkv, groups * sq, dim),
-        k_old.to(dtype)[None],
-        v_old.to(dtype)[None],
-        0.0,
-        False,
-        scale=scale,
-    )  # [1, Hkv, G*S, D], [1, Hkv, G*S]
-    # exact merge: own's weight is 1 / (1 + exp(old_lse - own_lse))
-    weight = torch.sigmoid(own_lse.reshape(hq, sq) - old_lse.reshape(hq, sq)).unsqueeze(-1)
-    merged = torch.lerp(old.reshape(hq, sq, dim).float(), own.reshape(hq, sq, dim).float(), weight)
-    out.copy_(merged.transpose(0, 1))
+    for keys, values in ((k_old, v_old), (k_new[:, :pre], v_new[:, :pre])):
+        if keys.shape[1] == 0:
+            continue
+        old, old_lse = flash(
+            q.view(1, hkv, groups * sq, dim),
+            keys.to(dtype)[None],
+            values.to(dtype)[None],
+            0.0,
+            False,
+            scale=scale,
+        )  # [1, Hkv, G*S, D], [1, Hkv, G*S]
+        parts.append(SegmentResult(old.reshape(1, hq, sq, dim).float(), old_lse.reshape(1, hq, sq)))
+    out.copy_(merge(parts).out[0].transpose(0, 1))  # exact, by the log-sum-exps
