@@ -76,16 +76,20 @@ def test_norms_and_silu_mul_in_bf16_round_what_float32_gives() -> None:
     assert torch.equal(out, _ops().silu_mul(gate_up.float()).bfloat16())
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("dim", [16, 64, 128])  # any head dim; 64, 128: kernels compiled for them
 def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(
-    groups: int, dim: int
+    groups: int, dim: int, kv_dtype: torch.dtype
 ) -> None:
     """Rows on seats 2 and 0 (not in seat order), one with a pool range longer than a
-    work block, one with none; out rows not named stay untouched."""
+    work block, one with none; out rows not named stay untouched. A bf16 slab stores the
+    new K/V rounded to nearest even and attends its keys widened: float32 arithmetic on
+    the rounded values."""
     gen = torch.Generator().manual_seed(2)
     seats_n, layers, heads, slots, tokens = 3, 2, 2, 3, 256
     slab = torch.randn(seats_n, layers, 2, heads, 1 + slots, tokens, dim, generator=gen)
+    slab = slab.to(kv_dtype)
     want_slab = slab.clone()
     n = 4
     query = torch.randn(heads * groups, n, dim, generator=gen)
@@ -98,10 +102,10 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(
     _ops().decode_attend(slab, 1, seats, tail_pos, lo, hi, rows, query, new_k, new_v, out, lse, 0.3)
     for r in range(2):
         seat, row, pos = int(seats[r]), int(rows[r]), int(tail_pos[r])
-        want_slab[seat, 1, 0, :, 0, pos] = new_k[:, row]
-        want_slab[seat, 1, 1, :, 0, pos] = new_v[:, row]
-        keys = want_slab[seat, 1, 0].reshape(heads, -1, dim)
-        values = want_slab[seat, 1, 1].reshape(heads, -1, dim)
+        want_slab[seat, 1, 0, :, 0, pos] = new_k[:, row].to(kv_dtype)
+        want_slab[seat, 1, 1, :, 0, pos] = new_v[:, row].to(kv_dtype)
+        keys = want_slab[seat, 1, 0].reshape(heads, -1, dim).float()
+        values = want_slab[seat, 1, 1].reshape(heads, -1, dim).float()
         visible = torch.cat([torch.arange(pos + 1), torch.arange(int(lo[r]), int(hi[r]))])
         q = query[:, row].reshape(heads, groups, dim)
         ref = F.scaled_dot_product_attention(
@@ -129,21 +133,23 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(
         (7, 1, 64, 17, 150),  # 7 query heads a KV head: tiles of 3, 3 and 1
     ],
 )
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_attend_prefill_equals_masked_sdpa_on_strided_views(
-    heads: int, kv_heads: int, dim: int, earlier: int, new: int
+    heads: int, kv_heads: int, dim: int, earlier: int, new: int, kv_dtype: torch.dtype
 ) -> None:
     """Earlier keys all visible, the pass's own keys causal; the query and the output are
-    views with a row stride (as the runner passes them)."""
+    views with a row stride (as the runner passes them). bf16 K/V (strided too): float32
+    arithmetic on their values."""
     torch.manual_seed(0)
     width = (heads + 2 * kv_heads) * dim
     q = torch.randn(new, width)[:, : heads * dim].view(new, heads, dim).transpose(0, 1)
-    k_old, v_old = torch.randn(2, kv_heads, earlier + 3, dim)[:, :, :earlier]
-    k_new, v_new = torch.randn(2, kv_heads, new, dim)
+    k_old, v_old = torch.randn(2, kv_heads, earlier + 3, dim).to(kv_dtype)[:, :, :earlier]
+    k_new, v_new = torch.randn(2, kv_heads, new, dim).to(kv_dtype)
     out = torch.full((new + 1, heads + 1, dim), 7.0)
     _ops().attend_prefill(q, k_old, v_old, k_new, v_new, out[:new, :heads], dim**-0.5)
     mask = torch.ones(new, earlier + new, dtype=torch.bool)
     mask[:, earlier:] = torch.ones(new, new, dtype=torch.bool).tril()
-    k, v = torch.cat([k_old, k_new], 1), torch.cat([v_old, v_new], 1)
+    k, v = torch.cat([k_old, k_new], 1).float(), torch.cat([v_old, v_new], 1).float()
     want = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, scale=dim**-0.5, enable_gqa=True
     )[0].transpose(0, 1)
@@ -160,42 +166,44 @@ def test_attend_prefill_equals_masked_sdpa_on_strided_views(
         (4, 4, 64, 256, 1, 77),
     ],
 )
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_attend_prefill_sees_the_tails_earlier_keys_too(
-    heads: int, kv_heads: int, dim: int, earlier: int, tail: int, new: int
+    heads: int, kv_heads: int, dim: int, earlier: int, tail: int, new: int, kv_dtype: torch.dtype
 ) -> None:
     """k_new holds P keys before the pass (all visible) and then the pass's own: query i
     sees k_old, k_new[:P] and k_new[P : P + i + 1]."""
     torch.manual_seed(1)
     q = torch.randn(new, heads, dim).transpose(0, 1)
-    k_old, v_old = torch.randn(2, kv_heads, earlier, dim)
-    k_new, v_new = torch.randn(2, kv_heads, tail + new, dim)
+    k_old, v_old = torch.randn(2, kv_heads, earlier, dim).to(kv_dtype)
+    k_new, v_new = torch.randn(2, kv_heads, tail + new, dim).to(kv_dtype)
     out = torch.empty(new, heads, dim)
     _ops().attend_prefill(q, k_old, v_old, k_new, v_new, out, dim**-0.5)
     mask = torch.ones(new, earlier + tail + new, dtype=torch.bool)
     mask[:, earlier + tail :] = torch.ones(new, new, dtype=torch.bool).tril()
-    k, v = torch.cat([k_old, k_new], 1), torch.cat([v_old, v_new], 1)
+    k, v = torch.cat([k_old, k_new], 1).float(), torch.cat([v_old, v_new], 1).float()
     want = F.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, scale=dim**-0.5, enable_gqa=True
     )[0].transpose(0, 1)
     torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("kv_heads", "groups", "dim", "tokens"), [(3, 3, 64, 256), (2, 2, 16, 300)]
 )
 def test_attend_slots_reads_chunks_where_they_lie(
-    kv_heads: int, groups: int, dim: int, tokens: int
+    kv_heads: int, groups: int, dim: int, tokens: int, kv_dtype: torch.dtype
 ) -> None:
     """Output and log-sum-exp over the named slots of a slot-major pool, as a plain softmax
     over their keys end to end gives them."""
     torch.manual_seed(1)
-    pool = torch.randn(6, 3, 2, kv_heads, tokens, dim)  # [slots, L, 2, H, T, D]
+    pool = torch.randn(6, 3, 2, kv_heads, tokens, dim).to(kv_dtype)  # [slots, L, 2, H, T, D]
     slots, layer, rows = [4, 1, 2], 2, 3
     q = torch.randn(kv_heads * groups, rows, dim)
     out, lse = torch.empty(rows, kv_heads * groups, dim), torch.empty(rows, kv_heads * groups)
     _ops().attend_slots(pool, layer, torch.tensor(slots), q, out, lse, dim**-0.5)
-    k = torch.cat([pool[s, layer, 0] for s in slots], 1).repeat_interleave(groups, 0)
-    v = torch.cat([pool[s, layer, 1] for s in slots], 1).repeat_interleave(groups, 0)
+    k = torch.cat([pool[s, layer, 0] for s in slots], 1).repeat_interleave(groups, 0).float()
+    v = torch.cat([pool[s, layer, 1] for s in slots], 1).repeat_interleave(groups, 0).float()
     scores = q @ k.transpose(1, 2) * dim**-0.5  # [Hq, N, K]
     torch.testing.assert_close(out, (scores.softmax(-1) @ v).transpose(0, 1))
     torch.testing.assert_close(lse, scores.logsumexp(-1).t())
@@ -222,6 +230,25 @@ def test_bad_inputs_raise_a_clear_error() -> None:
     )
     with pytest.raises(RuntimeError, match="slot out of range"):
         _ops().attend_slots(pool, 0, torch.tensor([2]), q, out, lse, 1.0)
+    q, kv, out = torch.zeros(3, 4, 64), torch.zeros(1, 4, 64), torch.zeros(4, 3, 64)
+    with pytest.raises(RuntimeError, match="k_old must be a BFloat16 CPU"):  # K/V: one dtype
+        _ops().attend_prefill(q, kv, kv, kv.bfloat16(), kv.bfloat16(), out, 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        _ops().decode_attend(
+            slab.half(),
+            0,
+            one,
+            one,
+            one + 4,
+            one + 4,
+            one,
+            q[:1, :1, :8],
+            kv[:, :1, :8],
+            kv[:, :1, :8],
+            out[:1, :1, :8],
+            None,
+            1.0,
+        )
     q, kv, out = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(4, 2, 32)
     with pytest.raises(RuntimeError, match="head dim 32 is not 64 or 128"):
         _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)

@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode_ms": "streaming completion: (stream end - first token) / (tokens - 1)",
             "dtype": (
                 "vLLM bfloat16, kvtier --matmul-dtype bfloat16 (projections, long prefill "
-                "attention; KV float32)"
+                "attention, KV; residual stream float32)"
                 if args.bf16
                 else "float32"
             ),

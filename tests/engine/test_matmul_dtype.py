@@ -17,7 +17,7 @@ from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import make_runner
 from kvtier.models import random_model
 from kvtier.runtime import low_attend
-from tests.engine.tiny import engine_config, reference_tokens, tiny_model
+from tests.engine.tiny import CHUNK, engine_config, reference_tokens, tiny_model
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
@@ -77,6 +77,24 @@ def test_the_engine_in_bf16_projections_stays_close_to_float32(tokenizer: Any) -
     first = [(a.logprobs[0].logprob, b.logprobs[0].logprob) for a, b in pairs]
     assert all(abs(a - b) < 0.05 for a, b in first)  # the first token's log-probability
     assert any(a != b for a, b in first)  # and it is another computation
+
+
+@pytest.mark.skipif(not ONEDNN, reason="needs torch's oneDNN")
+def test_the_bf16_mode_keeps_the_kv_in_bf16_and_a_next_turn_reuses_it(tokenizer: Any) -> None:
+    """Every tier holds bf16 chunks (half the bytes); a next turn adopts the first turn's
+    chunks and decodes on them (kvtier's decode kernel reads the bf16 slab)."""
+    model = tiny_model(tokenizer, seed=4)
+    config = dataclasses.replace(engine_config(), runner="kvtier", matmul_dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    first = list(range(300, 300 + 5 * CHUNK + 3))
+    with Engine(model, tokenizer, config) as engine:
+        assert engine.manager.layout.dtype == torch.bfloat16
+        assert engine.manager.host.pool.dtype == torch.bfloat16
+        one = engine.submit(first, params).result()
+        turn = first + one.token_ids + [17, 18]
+        two = engine.submit(turn, params).result()
+    assert two.reused_tokens == ((len(turn) - 1) // CHUNK) * CHUNK > 0
+    assert len(two.token_ids) == 6 and all(abs(p.logprob) < 30 for p in two.logprobs)
 
 
 def test_matmul_dtype_is_checked_in_one_line(tokenizer: Any) -> None:

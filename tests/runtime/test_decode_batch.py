@@ -23,15 +23,18 @@ LAYERS, HKV, G, DIM, T = 2, 2, 3, 8, 16
 SCALE = DIM**-0.5
 
 
-def _manager() -> KVManager:
-    layout = KVLayout(LAYERS, HKV, DIM, chunk_tokens=T)
+def _manager(dtype: torch.dtype = torch.float32) -> KVManager:
+    layout = KVLayout(LAYERS, HKV, DIM, dtype=dtype, chunk_tokens=T)
     config = ManagerConfig(chunk_tokens=T, host=HostConfig(capacity_bytes=64 * layout.chunk_nbytes))
     return KVManager(layout, "decode-batch-test", config)
 
 
-def _run(kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool) -> list[torch.Tensor]:
+def _run(
+    kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool
+) -> tuple[list[torch.Tensor], bool]:
     """Prefill each sequence to its length (one pass each), then decode ``steps`` tokens
-    per sequence, all packed in one step; the attention outputs of every decode step."""
+    per sequence, all packed in one step: the attention outputs of every decode step, and
+    whether the decode batch took kvtier's kernel."""
     gen = torch.Generator().manual_seed(0)
     for kv, n in zip(kvs, lengths, strict=True):
         keys = torch.randn(LAYERS, 1, HKV, n, DIM, generator=gen)
@@ -51,6 +54,7 @@ def _run(kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool) ->
             kv.begin_forward(1, 1)
         batch, rest = DecodeBatch.collect(kvs, spans) if seated else (None, list(range(n)))
         assert (batch is None) == (not seated) and (rest == []) == seated
+        kernel = batch is not None and batch.ops is not None
         step = []
         for layer in range(LAYERS):
             out = torch.full((1, n, HKV * G, DIM), float("nan"))
@@ -66,7 +70,7 @@ def _run(kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool) ->
         for kv in kvs:
             kv.end_forward()
         outs.append(torch.stack(step))
-    return outs
+    return outs, kernel
 
 
 @pytest.mark.parametrize(
@@ -79,24 +83,30 @@ def _run(kvs: list[SequenceKV], lengths: list[int], steps: int, seated: bool) ->
     ],
 )
 @pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_batch_equals_each_sequences_attention(
-    seats: list[int], lengths: list[int], kernels: str, monkeypatch: pytest.MonkeyPatch
+    seats: list[int],
+    lengths: list[int],
+    kernels: str,
+    kv_dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Idle seats between decoding ones, a tail filling mid-run (the 2T-2 one on step 2),
     no resident chunk (length 5), and the dense case (rows 0..R-1 on seats 0..R-1); with
-    kvtier's CPU kernel and with torch's (``KVTIER_NATIVE=0``)."""
+    kvtier's CPU kernel and with torch's (``KVTIER_NATIVE=0``); KV in float32 and in bf16
+    (the engine's bf16 mode: both paths store the rounded K/V and attend in float32)."""
     monkeypatch.setenv(native.ENV_SWITCH, "1" if kernels == "native" else "0")
-    manager = _manager()
+    manager = _manager(kv_dtype)
     budget = 4 * manager.layout.chunk_nbytes  # a tail and 3 resident chunks per sequence
     config = TieredCacheConfig(device_budget_bytes=budget)
     slab = SeatSlab(manager.layout, 6, budget, torch.device("cpu"))
     device = torch.device("cpu")
     windows = [None] * LAYERS
     seated = [SequenceKV(manager, windows, config, device, seat=(slab, s)) for s in seats]
-    plain = [SequenceKV(_manager(), windows, config, device) for _ in seats]
-    got = _run(seated, lengths, 4, seated=True)
-    assert (native.ops() is not None) == (kernels == "native")
-    want = _run(plain, lengths, 4, seated=False)
+    plain = [SequenceKV(_manager(kv_dtype), windows, config, device) for _ in seats]
+    got, kernel = _run(seated, lengths, 4, seated=True)
+    assert kernel == (kernels == "native")
+    want, _ = _run(plain, lengths, 4, seated=False)
     for a, b in zip(got, want, strict=True):
         assert not a.isnan().any()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

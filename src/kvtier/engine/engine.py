@@ -113,7 +113,9 @@ class Engine:
         self._owns_manager = manager is None
         # Refuse, with the reason, a model kvtier cannot run exactly (before any state).
         chunk_tokens = manager.layout.chunk_tokens if manager else self.config.manager.chunk_tokens
-        self.spec = model_spec(model, chunk_tokens)
+        # bf16 mode keeps the KV in bf16 as well (half the bytes a decode step reads)
+        low = None if self.config.matmul_dtype is None else DTYPES[self.config.matmul_dtype]
+        self.spec = model_spec(model, chunk_tokens, low)
         if manager is None:
             manager = KVManager(self.spec.layout, self.model_id, self.config.manager)
         self.spec.check_manager(manager)
@@ -154,7 +156,6 @@ class Engine:
                 (slab, seat) if slab is not None else None,
             )
 
-        low = None if self.config.matmul_dtype is None else DTYPES[self.config.matmul_dtype]
         self.runner = make_runner(model, self.device, self.config.runner, low)
         log.info("model runner: %s", self.runner.name)
         self._scheduler = BatchScheduler(  # reserves the caches (the device budget)

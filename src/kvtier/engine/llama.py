@@ -66,9 +66,10 @@ class LlamaModel:
         model: a loaded ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3) in eval mode.
         matmul_dtype: None multiplies in the weights' dtype (exact against transformers);
             ``bfloat16`` runs every projection in bf16 on oneDNN and long prefill passes'
-            attention on torch's bf16 flash kernel (float32 accumulation; everything else,
-            the KV included, stays in the model's dtype): faster, and the tokens drift
-            from transformers' (``kvtier bench peers --bf16``).
+            attention on torch's bf16 flash kernel (float32 accumulation; the residual
+            stream stays in the model's dtype; the engine keeps the KV in bf16,
+            ``EngineConfig.matmul_dtype``): faster, and the tokens drift from
+            transformers' (``kvtier bench peers --bf16``).
 
     Raises:
         ValueError: the model does not have the shape (``supports`` says why not).
@@ -202,7 +203,7 @@ class LlamaModel:
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.embed(ids)  # [N, H]
         cos, sin = self.rope.rows(h, positions)  # [N, D]
-        batch, rest = DecodeBatch.collect(kvs, spans) if kvs is not None else (None, [])
+        batch, rest = DecodeBatch.collect(kvs, spans, h.dtype) if kvs is not None else (None, [])
         ops = self.ops if h.dtype == torch.float32 and h.device.type == "cpu" else None
         # the last layer's rows past attention: only those whose logits are wanted (each
         # row's o/MLP reads that row alone; the KV needs every row's k/v, not its output)

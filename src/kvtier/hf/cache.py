@@ -60,13 +60,16 @@ class ModelSpec:
             )
 
 
-def model_spec(model: torch.nn.Module, chunk_tokens: int) -> ModelSpec:
-    """The KV spec of ``model`` with chunks of ``chunk_tokens``; pure.
+def model_spec(
+    model: torch.nn.Module, chunk_tokens: int, kv_dtype: torch.dtype | None = None
+) -> ModelSpec:
+    """The KV spec of ``model`` with chunks of ``chunk_tokens`` and K/V of ``kv_dtype``
+    (None: the weights' dtype); pure.
 
     Raises:
         UnsupportedModelError: kvtier cannot run the model exactly (one line: why).
     """
-    dtype = next(model.parameters()).dtype
+    dtype = kv_dtype or next(model.parameters()).dtype
     layout = KVLayout.from_model_config(model.config, dtype, chunk_tokens)
     specs = check_exact(model, layout.num_kv_heads, layout.head_dim)
     model_type = str(getattr(model.config, "model_type", type(model).__name__))

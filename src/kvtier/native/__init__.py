@@ -99,6 +99,17 @@ def ops() -> Any | None:
     return torch.ops.kvtier_cpu if status.available else None
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)
+"""KV element types the attention kernels (``decode_attend``, ``attend_prefill``,
+``attend_slots``) read: bf16 widened exactly as it is loaded, the arithmetic float32."""
+
+
+def kv_ops(kv: torch.Tensor) -> Any | None:
+    """``ops()`` when the attention kernels read ``kv`` (a CPU tensor of a ``KV_DTYPES``
+    type), else None: the caller takes its torch path."""
+    return ops() if kv.is_cpu and kv.dtype in KV_DTYPES else None
+
+
 def status() -> NativeStatus:
     """What ``ops()`` found (building or loading the kernels if not done yet)."""
     if not enabled():

@@ -1,5 +1,5 @@
 // attend_prefill: one sequence's new queries, causally, over its earlier keys and its own
-// new keys, in one pass (no mask tensor, no log-sum-exp merge), float32.
+// new keys, in one pass (no mask tensor, no log-sum-exp merge), float32 arithmetic.
 //
 //   query  [Hq, S, D]   the pass's queries (any strides, the last one 1)
 //   k_old, v_old [Hkv, R, D]   the keys before the pass, all visible (R may be 0)
@@ -7,6 +7,10 @@
 //                  pass's own: query i sees k_new[:, 0..P + i] (P = 0: the pass's own only;
 //                  P > 0: the tail of a sequence whose earlier chunks are k_old)
 //   out    [S, Hq, D]   written (any strides, the last one 1)
+//
+// query and out are float32; the four K/V tensors float32, or all bfloat16 (kvtier's bf16
+// mode): each block of 128 keys and values is then widened into the item's scratch first
+// (exact), which costs about 1/G of a score tile's loads.
 //
 // Query head h reads KV head h / (Hq / Hkv). A work item is (KV head, 16 positions): its
 // G = Hq / Hkv heads give G vectors of 16 query rows, one row per lane, the queries
@@ -132,11 +136,17 @@ struct Item {
   vfloat* bmax;     // [nv] the block's max
   float* alpha;     // [nv * 16] the block's rescale of o
   float* from;      // [kKeys] first lane that sees each key of the block
+  float* kw;        // [kKeys][D] a bf16 block's keys widened (unused for float32 KV)
+  float* vw;        // [kKeys][D] its values widened
 };
 
 // The item's next block: nk <= kKeys keys (rows k, v with strides ks, vs). diag >= 0: the
 // block holds new keys past p0, the item's first position; diag is its first key's index
 // among the new keys, and lane i sees new key j iff j <= p0 + i.
+template <int D>
+void attend_block(const Item& it, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs,
+                  int64_t nk, int64_t diag, int64_t p0);
+
 template <int D>
 void attend_block(const Item& it, const float* k, int64_t ks, const float* v, int64_t vs,
                   int64_t nk, int64_t diag, int64_t p0) {
@@ -186,6 +196,16 @@ void attend_block(const Item& it, const float* k, int64_t ks, const float* v, in
   }
 }
 
+// A block of bf16 keys and values: widened into the item's scratch, then as float32.
+template <int D>
+void attend_block(const Item& it, const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs,
+                  int64_t nk, int64_t diag, int64_t p0) {
+  widen_rows(k, ks, nk, D, it.kw);
+  widen_rows(v, vs, nk, D, it.vw);
+  attend_block<D>(it, static_cast<const float*>(it.kw), D, static_cast<const float*>(it.vw), D,
+                  nk, diag, p0);
+}
+
 // A buffer of at least n floats from 64-byte-aligned storage, owned by the calling thread
 // and reused by its later calls (growing to the largest), so a call neither zero-fills nor
 // page-faults fresh memory.
@@ -195,7 +215,8 @@ float* scratch(std::vector<float>& buffer, size_t n) {
   return reinterpret_cast<float*>((at + 63) & ~uintptr_t{63});
 }
 
-template <int D>
+// T: the K/V elements, float or bf16 bit patterns (uint16_t).
+template <int D, typename T>
 void attend_prefill_impl(const at::Tensor& query, const at::Tensor& k_old,
                          const at::Tensor& v_old, const at::Tensor& k_new,
                          const at::Tensor& v_new, const at::Tensor& out, double scale) {
@@ -206,21 +227,23 @@ void attend_prefill_impl(const at::Tensor& query, const at::Tensor& k_old,
   const int64_t items = blocks * hkv;
   std::atomic<int64_t> next{0};
   const float* qp = query.data_ptr<float>();
-  const float* kop = k_old.data_ptr<float>();
-  const float* vop = v_old.data_ptr<float>();
-  const float* knp = k_new.data_ptr<float>();
-  const float* vnp = v_new.data_ptr<float>();
+  const T* kop = static_cast<const T*>(k_old.data_ptr());
+  const T* vop = static_cast<const T*>(v_old.data_ptr());
+  const T* knp = static_cast<const T*>(k_new.data_ptr());
+  const T* vnp = static_cast<const T*>(v_new.data_ptr());
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     thread_local std::vector<float> buffer;
-    float* qt = scratch(buffer, rows * (2 * D + kKeys + 4) + kKeys);
+    float* qt = scratch(buffer, rows * (2 * D + kKeys + 4) + kKeys + 2 * kKeys * D);
     Item it{nv, qt, qt + rows * D, qt + 2 * rows * D};
     it.m = reinterpret_cast<vfloat*>(it.s + kKeys * rows);  // each row offset a multiple
     it.l = it.m + nv;                                       // of 16 floats: aligned
     it.bmax = it.l + nv;
     it.alpha = reinterpret_cast<float*>(it.bmax + nv);
     it.from = it.alpha + rows;
+    it.kw = it.from + kKeys;  // 16-float aligned: kKeys is a multiple of 16
+    it.vw = it.kw + kKeys * D;
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t block = blocks - 1 - item / hkv, h = item % hkv;  // longest first
       const int64_t p0 = block * kPositions, np = std::min(kPositions, len - p0);
@@ -241,15 +264,15 @@ void attend_prefill_impl(const at::Tensor& query, const at::Tensor& k_old,
         it.m[i] = vfloat{} + kNegInf;
         it.l[i] = vfloat{};
       }
-      const float* ko = kop + h * k_old.stride(0);
-      const float* vo = vop + h * v_old.stride(0);
+      const T* ko = kop + h * k_old.stride(0);
+      const T* vo = vop + h * v_old.stride(0);
       for (int64_t j = 0; j < old_len; j += kKeys) {
         const int64_t nk = std::min(kKeys, old_len - j);
         attend_block<D>(it, ko + j * k_old.stride(1), k_old.stride(1), vo + j * v_old.stride(1),
                         v_old.stride(1), nk, -1, p0);
       }
-      const float* kn = knp + h * k_new.stride(0);
-      const float* vn = vnp + h * v_new.stride(0);
+      const T* kn = knp + h * k_new.stride(0);
+      const T* vn = vnp + h * v_new.stride(0);
       for (int64_t j = 0; j < pre; j += kKeys) {  // the visible keys before the pass's own
         const int64_t nk = std::min(kKeys, pre - j);
         attend_block<D>(it, kn + j * k_new.stride(1), k_new.stride(1), vn + j * v_new.stride(1),
@@ -275,21 +298,23 @@ void attend_prefill_impl(const at::Tensor& query, const at::Tensor& k_old,
   });
 }
 
-void check_3d(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kFloat && t.device().is_cpu() &&
+void check_3d(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == dtype && t.device().is_cpu() &&
                   (t.size(2) <= 1 || t.stride(2) == 1),
-              "attend_prefill: ", name, " must be a float32 CPU [H, L, D] with stride 1 in D");
+              "attend_prefill: ", name, " must be a ", c10::toString(dtype),
+              " CPU [H, L, D] with stride 1 in D");
 }
 
 void attend_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::Tensor& v_old,
                     const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out,
                     double scale) {
-  check_3d(query, "query");
-  check_3d(k_old, "k_old");
-  check_3d(v_old, "v_old");
-  check_3d(k_new, "k_new");
-  check_3d(v_new, "v_new");
-  check_3d(out, "out");
+  const at::ScalarType kv = k_new.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  check_3d(query, "query", at::kFloat);
+  check_3d(k_old, "k_old", kv);
+  check_3d(v_old, "v_old", kv);
+  check_3d(k_new, "k_new", kv);
+  check_3d(v_new, "v_new", kv);
+  check_3d(out, "out", at::kFloat);
   const int64_t hq = query.size(0), len = query.size(1), dim = query.size(2);
   const int64_t hkv = k_new.size(0);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "attend_prefill: query heads ", hq,
@@ -301,10 +326,13 @@ void attend_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::
   TORCH_CHECK(out.size(0) == len && out.size(1) == hq && out.size(2) == dim,
               "attend_prefill: out must be [S, Hq, D]");
   if (len == 0) return;
+  const bool low = kv == at::kBFloat16;
   if (dim == 64) {
-    attend_prefill_impl<64>(query, k_old, v_old, k_new, v_new, out, scale);
+    (low ? attend_prefill_impl<64, uint16_t> : attend_prefill_impl<64, float>)(
+        query, k_old, v_old, k_new, v_new, out, scale);
   } else if (dim == 128) {
-    attend_prefill_impl<128>(query, k_old, v_old, k_new, v_new, out, scale);
+    (low ? attend_prefill_impl<128, uint16_t> : attend_prefill_impl<128, float>)(
+        query, k_old, v_old, k_new, v_new, out, scale);
   } else {
     TORCH_CHECK(false, "attend_prefill: head dim ", dim, " is not 64 or 128");
   }

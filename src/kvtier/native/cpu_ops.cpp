@@ -1,4 +1,5 @@
-// kvtier's hand-written CPU operators (float32), registered as torch.ops.kvtier_cpu.*.
+// kvtier's hand-written CPU operators (float32 arithmetic; the attention kernels also read
+// bfloat16 KV), registered as torch.ops.kvtier_cpu.*.
 //
 // Built once per machine by kvtier.native (torch.utils.cpp_extension, cached on disk).
 // Every operator checks its inputs and raises a c10::Error (a Python RuntimeError) on a
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -76,8 +78,9 @@ void attend_block_any(int64_t groups, int64_t dim, const float* q, const float* 
 
 // attend_block_any for a head dim and group count known at compile time: the queries and
 // the G x D/16 output accumulators live in vector registers; K and V are read once.
-template <int D, int G>
-void attend_block_fixed(const float* q, const float* k, const float* v, int64_t len,
+// T: the KV elements, float or bf16 bit patterns (uint16_t), widened as they are loaded.
+template <int D, int G, typename T>
+void attend_block_fixed(const float* q, const T* k, const T* v, int64_t len,
                         float scale, float* scores, float* res) {
   constexpr int C = D / kLanes;
   vfloat qv[G][C];
@@ -86,13 +89,22 @@ void attend_block_fixed(const float* q, const float* k, const float* v, int64_t 
   }
   int64_t j = 0;
   for (; j + kLanes <= len; j += kLanes) {  // 16 keys: their scores summed together
-    for (int64_t t = 0; t < kLanes; ++t) {
-      for (int c = 0; c < C; ++c) prefetch(k + (j + kLanes + t) * D + c * kLanes);
+    for (int64_t t = 0; t < kLanes; ++t) {  // the next 16 keys, a cache line at a time
+      const char* next = reinterpret_cast<const char*>(k + (j + kLanes + t) * D);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) prefetch(next + b);
+    }
+    const float* keys = nullptr;  // the 16 keys as float32
+    alignas(64) float wide[std::is_same_v<T, float> ? 1 : kLanes * D];
+    if constexpr (std::is_same_v<T, float>) {
+      keys = k + j * D;
+    } else {  // widened once into L1, not once per query of the group (2.5x the loads' uops)
+      for (int64_t x = 0; x < kLanes * D; x += kLanes) store(wide + x, load_kv(k + j * D + x));
+      keys = wide;
     }
     for (int g = 0; g < G; ++g) {
       vfloat acc[kLanes];
       for (int64_t t = 0; t < kLanes; ++t) {
-        const float* kt = k + (j + t) * D;
+        const float* kt = keys + t * D;
         acc[t] = qv[g][0] * load(kt);
         for (int c = 1; c < C; ++c) acc[t] += qv[g][c] * load(kt + c * kLanes);
       }
@@ -101,7 +113,7 @@ void attend_block_fixed(const float* q, const float* k, const float* v, int64_t 
   }
   for (; j < len; ++j) {
     vfloat kr[C];
-    for (int c = 0; c < C; ++c) kr[c] = load(k + j * D + c * kLanes);
+    for (int c = 0; c < C; ++c) kr[c] = load_kv(k + j * D + c * kLanes);
     for (int g = 0; g < G; ++g) {
       vfloat acc = qv[g][0] * kr[0];
       for (int c = 1; c < C; ++c) acc += qv[g][c] * kr[c];
@@ -118,8 +130,9 @@ void attend_block_fixed(const float* q, const float* k, const float* v, int64_t 
   vfloat o[G][C] = {};
   for (int64_t j = 0; j < len; ++j) {
     vfloat vr[C];
-    for (int c = 0; c < C; ++c) vr[c] = load(v + j * D + c * kLanes);
-    for (int c = 0; c < C; ++c) prefetch(v + (j + kLanes) * D + c * kLanes);
+    for (int c = 0; c < C; ++c) vr[c] = load_kv(v + j * D + c * kLanes);
+    const char* next = reinterpret_cast<const char*>(v + (j + kLanes) * D);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) prefetch(next + b);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * kBlockTokens + j];
       for (int c = 0; c < C; ++c) o[g][c] += p * vr[c];
@@ -130,28 +143,41 @@ void attend_block_fixed(const float* q, const float* k, const float* v, int64_t 
   }
 }
 
-template <int D>
-bool attend_block_dim(int64_t groups, const float* q, const float* k, const float* v,
+template <int D, typename T>
+bool attend_block_dim(int64_t groups, const float* q, const T* k, const T* v,
                       int64_t len, float scale, float* scores, float* res) {
   switch (groups) {
-    case 1: attend_block_fixed<D, 1>(q, k, v, len, scale, scores, res); return true;
-    case 2: attend_block_fixed<D, 2>(q, k, v, len, scale, scores, res); return true;
-    case 3: attend_block_fixed<D, 3>(q, k, v, len, scale, scores, res); return true;
-    case 4: attend_block_fixed<D, 4>(q, k, v, len, scale, scores, res); return true;
-    case 5: attend_block_fixed<D, 5>(q, k, v, len, scale, scores, res); return true;
-    case 6: attend_block_fixed<D, 6>(q, k, v, len, scale, scores, res); return true;
-    case 7: attend_block_fixed<D, 7>(q, k, v, len, scale, scores, res); return true;
-    case 8: attend_block_fixed<D, 8>(q, k, v, len, scale, scores, res); return true;
+    case 1: attend_block_fixed<D, 1, T>(q, k, v, len, scale, scores, res); return true;
+    case 2: attend_block_fixed<D, 2, T>(q, k, v, len, scale, scores, res); return true;
+    case 3: attend_block_fixed<D, 3, T>(q, k, v, len, scale, scores, res); return true;
+    case 4: attend_block_fixed<D, 4, T>(q, k, v, len, scale, scores, res); return true;
+    case 5: attend_block_fixed<D, 5, T>(q, k, v, len, scale, scores, res); return true;
+    case 6: attend_block_fixed<D, 6, T>(q, k, v, len, scale, scores, res); return true;
+    case 7: attend_block_fixed<D, 7, T>(q, k, v, len, scale, scores, res); return true;
+    case 8: attend_block_fixed<D, 8, T>(q, k, v, len, scale, scores, res); return true;
     default: return false;
   }
 }
 
-void attend_block(int64_t groups, int64_t dim, const float* q, const float* k, const float* v,
+// One work item (attend_block_any's contract) over float32 or bf16 (uint16_t) keys and
+// values; a head dim or group count without a fixed kernel widens bf16 rows into scratch.
+template <typename T>
+void attend_block(int64_t groups, int64_t dim, const float* q, const T* k, const T* v,
                   int64_t len, float scale, float* scores, float* res) {
   const bool fixed =
       (dim == 64 && attend_block_dim<64>(groups, q, k, v, len, scale, scores, res)) ||
       (dim == 128 && attend_block_dim<128>(groups, q, k, v, len, scale, scores, res));
-  if (!fixed) attend_block_any(groups, dim, q, k, v, len, scale, scores, res);
+  if (fixed) return;
+  if constexpr (std::is_same_v<T, float>) {
+    attend_block_any(groups, dim, q, k, v, len, scale, scores, res);
+  } else {
+    thread_local std::vector<float> wide;
+    wide.resize(2 * len * dim);
+    widen_bf16(k, len * dim, wide.data());
+    widen_bf16(v, len * dim, wide.data() + len * dim);
+    attend_block_any(groups, dim, q, wide.data(), wide.data() + len * dim, len, scale, scores,
+                     res);
+  }
 }
 
 struct Item {  // one decode row, one KV head, one run of at most kBlockTokens keys
@@ -203,9 +229,82 @@ namespace kvtier_ops {
 
 using namespace kvtier_vec;
 
+// decode_attend's work on a checked slab of T (float, or bf16 bit patterns: the new K/V
+// rounded to nearest even as they are stored, every key widened as it is read).
+template <typename T>
+void decode_attend_slab(T* base, const at::Tensor& slab, int64_t layer, const int64_t* seat_p,
+                        const int64_t* tail_p, const int64_t* lo_p, const int64_t* hi_p,
+                        const int64_t* row_p, int64_t num_rows, const at::Tensor& query,
+                        const at::Tensor& new_k, const at::Tensor& new_v, const at::Tensor& out,
+                        const std::optional<at::Tensor>& lse, double scale) {
+  const int64_t num_layers = slab.size(1), kv_heads = slab.size(3);
+  const int64_t keys = slab.size(4) * slab.size(5), dim = slab.size(6);
+  const int64_t q_heads = query.size(0), groups = q_heads / kv_heads;
+  // K of (seat, head): base + kv_offset(seat, 0, head); V: kv_offset(seat, 1, head).
+  auto kv_offset = [&](int64_t seat, int64_t kv, int64_t head) {
+    return (((seat * num_layers + layer) * 2 + kv) * kv_heads + head) * keys * dim;
+  };
+  // 1. the new tokens into their tails.
+  const float* nk = new_k.data_ptr<float>();
+  const float* nv = new_v.data_ptr<float>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t src_k = h * new_k.stride(0) + row_p[r] * new_k.stride(1);
+      const int64_t src_v = h * new_v.stride(0) + row_p[r] * new_v.stride(1);
+      store_kv(nk + src_k, dim, base + kv_offset(seat_p[r], 0, h) + tail_p[r] * dim);
+      store_kv(nv + src_v, dim, base + kv_offset(seat_p[r], 1, h) + tail_p[r] * dim);
+    }
+  }
+  // 2. work items: each row's visible keys in runs of at most kBlockTokens, per head.
+  std::vector<Item> items;
+  std::vector<int64_t> first(num_rows + 1);  // items of row r: first[r] .. first[r+1]-1
+  for (int64_t r = 0; r < num_rows; ++r) {
+    first[r] = static_cast<int64_t>(items.size());
+    const int64_t ranges[2][2] = {{0, tail_p[r] + 1}, {lo_p[r], hi_p[r]}};
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (const auto& range : ranges) {
+        for (int64_t s = range[0]; s < range[1]; s += kBlockTokens) {
+          items.push_back({r, h, s, std::min(kBlockTokens, range[1] - s)});
+        }
+      }
+    }
+  }
+  first[num_rows] = static_cast<int64_t>(items.size());
+  const int64_t num_items = first[num_rows];
+  const int64_t part = dim + 2;  // per item and query: max, sum, weighted values [D]
+  std::vector<float> partial(num_items * groups * part);
+  const float* qp = query.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // Threads only pay off past a few thousand keys (waking them costs tens of microseconds).
+  int64_t total_keys = 0;
+  for (const Item& it : items) total_keys += it.len;
+  const int64_t grain = total_keys < kSerialKeys ? std::max<int64_t>(num_items, 1) : 1;
+  kvtier_pool::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(groups * dim), scores(groups * kBlockTokens);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src =
+            qp + (it.head * groups + g) * query.stride(0) + row_p[it.row] * query.stride(1);
+        std::copy_n(src, dim, q.data() + g * dim);
+      }
+      const T* k = base + kv_offset(seat_p[it.row], 0, it.head) + it.start * dim;
+      const T* v = base + kv_offset(seat_p[it.row], 1, it.head) + it.start * dim;
+      float* res = partial.data() + i * groups * part;
+      attend_block(groups, dim, q.data(), k, v, it.len, fscale, scores.data(), res);
+    }
+  });
+  // 3. merge each row's items per query head and write the output row.
+  float* lse_p = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  merge_rows(num_rows, first, [&](int64_t i) { return items[i].head; }, partial, groups, dim,
+             q_heads, row_p, out, lse_p, grain == 1);
+}
+
 // decode_attend: the one-token attention of every decoding seat of one layer.
 //
-// slab [seats, L, 2, H, 1 + S, T, D] (contiguous): slot 0 of a seat's row is its tail,
+// slab [seats, L, 2, H, 1 + S, T, D] (contiguous; float32, or bfloat16: the new K/V are
+// rounded to it, to nearest even, and keys are widened exactly as they are read; the
+// arithmetic is float32 either way): slot 0 of a seat's row is its tail,
 // slots 1..S its pool. For decode row r (seat seats[r], step row rows[r]) the new key and
 // value (new_k/new_v[h, rows[r]]) are first stored at tail position tail_pos[r]; the row
 // then attends to tail tokens 0..tail_pos[r] and to the pool range [lo[r], hi[r]) of the
@@ -219,8 +318,10 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
                    const at::Tensor& rows, const at::Tensor& query, const at::Tensor& new_k,
                    const at::Tensor& new_v, const at::Tensor& out,
                    const std::optional<at::Tensor>& lse, double scale) {
-  TORCH_CHECK(slab.dim() == 7 && slab.is_contiguous() && slab.scalar_type() == at::kFloat,
-              "decode_attend: slab must be a contiguous float32 [seats, L, 2, H, 1+S, T, D]");
+  TORCH_CHECK(slab.dim() == 7 && slab.is_contiguous() &&
+                  (slab.scalar_type() == at::kFloat || slab.scalar_type() == at::kBFloat16),
+              "decode_attend: slab must be a contiguous float32 or bfloat16 "
+              "[seats, L, 2, H, 1+S, T, D]");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && new_k.dim() == 3 && new_v.dim() == 3,
               "decode_attend: query [Hq, N, D], out [N, Hq, D], new_k/new_v [Hkv, N, D]");
   for (const at::Tensor* t : {&query, &out, &new_k, &new_v}) {
@@ -261,70 +362,21 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
                     row_p[r] < new_k.size(1),
                 "decode_attend: row out of range");
   }
-  float* base = slab.data_ptr<float>();
-  // K of (seat, head): base + kv_offset(seat, 0, head); V: kv_offset(seat, 1, head).
-  auto kv_offset = [&](int64_t seat, int64_t kv, int64_t head) {
-    return (((seat * num_layers + layer) * 2 + kv) * kv_heads + head) * keys * dim;
-  };
-  // 1. the new tokens into their tails.
-  const float* nk = new_k.data_ptr<float>();
-  const float* nv = new_v.data_ptr<float>();
-  for (int64_t r = 0; r < num_rows; ++r) {
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t src_k = h * new_k.stride(0) + row_p[r] * new_k.stride(1);
-      const int64_t src_v = h * new_v.stride(0) + row_p[r] * new_v.stride(1);
-      std::copy_n(nk + src_k, dim, base + kv_offset(seat_p[r], 0, h) + tail_p[r] * dim);
-      std::copy_n(nv + src_v, dim, base + kv_offset(seat_p[r], 1, h) + tail_p[r] * dim);
-    }
+  if (slab.scalar_type() == at::kBFloat16) {
+    decode_attend_slab(reinterpret_cast<uint16_t*>(slab.data_ptr<at::BFloat16>()), slab, layer,
+                       seat_p, tail_p, lo_p, hi_p, row_p, num_rows, query, new_k, new_v, out,
+                       lse, scale);
+  } else {
+    decode_attend_slab(slab.data_ptr<float>(), slab, layer, seat_p, tail_p, lo_p, hi_p, row_p,
+                       num_rows, query, new_k, new_v, out, lse, scale);
   }
-  // 2. work items: each row's visible keys in runs of at most kBlockTokens, per head.
-  std::vector<Item> items;
-  std::vector<int64_t> first(num_rows + 1);  // items of row r: first[r] .. first[r+1]-1
-  for (int64_t r = 0; r < num_rows; ++r) {
-    first[r] = static_cast<int64_t>(items.size());
-    const int64_t ranges[2][2] = {{0, tail_p[r] + 1}, {lo_p[r], hi_p[r]}};
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (const auto& range : ranges) {
-        for (int64_t s = range[0]; s < range[1]; s += kBlockTokens) {
-          items.push_back({r, h, s, std::min(kBlockTokens, range[1] - s)});
-        }
-      }
-    }
-  }
-  first[num_rows] = static_cast<int64_t>(items.size());
-  const int64_t num_items = first[num_rows];
-  const int64_t part = dim + 2;  // per item and query: max, sum, weighted values [D]
-  std::vector<float> partial(num_items * groups * part);
-  const float* qp = query.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  // Threads only pay off past a few thousand keys (waking them costs tens of microseconds).
-  int64_t total_keys = 0;
-  for (const Item& it : items) total_keys += it.len;
-  const int64_t grain = total_keys < kSerialKeys ? std::max<int64_t>(num_items, 1) : 1;
-  kvtier_pool::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(groups * dim), scores(groups * kBlockTokens);
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = items[i];
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* src =
-            qp + (it.head * groups + g) * query.stride(0) + row_p[it.row] * query.stride(1);
-        std::copy_n(src, dim, q.data() + g * dim);
-      }
-      const float* k = base + kv_offset(seat_p[it.row], 0, it.head) + it.start * dim;
-      const float* v = base + kv_offset(seat_p[it.row], 1, it.head) + it.start * dim;
-      float* res = partial.data() + i * groups * part;
-      attend_block(groups, dim, q.data(), k, v, it.len, fscale, scores.data(), res);
-    }
-  });
-  // 3. merge each row's items per query head and write the output row.
-  float* lse_p = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  merge_rows(num_rows, first, [&](int64_t i) { return items[i].head; }, partial, groups, dim,
-             q_heads, row_p, out, lse_p, grain == 1);
 }
 
 
+
 // attend_slots: queries of one sequence over whole chunks in a slot-major pool, where
-// they lie (no gather). pool [slots, L, 2, H, T, D] (contiguous), slots [n] int64: the
+// they lie (no gather). pool [slots, L, 2, H, T, D] (contiguous; float32 or bfloat16,
+// widened as read), slots [n] int64: the
 // chunks; query [Hq, N, D], out [N, Hq, D] (last dims contiguous), lse [N, Hq]
 // (contiguous) written: out = softmax(q k^T scale) v over every key of the chunks (no
 // mask: the chunks precede the queries), lse its log-sum-exp, to merge with other
@@ -332,8 +384,9 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
 void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots,
                   const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse,
                   double scale) {
-  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.scalar_type() == at::kFloat,
-              "attend_slots: pool must be a contiguous float32 [slots, L, 2, H, T, D]");
+  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() &&
+                  (pool.scalar_type() == at::kFloat || pool.scalar_type() == at::kBFloat16),
+              "attend_slots: pool must be a contiguous float32 or bfloat16 [slots, L, 2, H, T, D]");
   TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous() && slots.scalar_type() == at::kLong,
               "attend_slots: slots must be a contiguous int64 [n]");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && query.scalar_type() == at::kFloat &&
@@ -374,7 +427,10 @@ void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots
   first[num_rows] = static_cast<int64_t>(items.size());
   const int64_t num_items = first[num_rows], part = dim + 2;
   std::vector<float> partial(num_items * groups * part);
-  const float* base = pool.data_ptr<float>();
+  const bool low = pool.scalar_type() == at::kBFloat16;  // else float32
+  const float* base = low ? nullptr : pool.data_ptr<float>();
+  const uint16_t* low_base =
+      low ? reinterpret_cast<const uint16_t*>(pool.data_ptr<at::BFloat16>()) : nullptr;
   const float* qp = query.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const bool threads = num_rows * n * tokens >= kSerialKeys;
@@ -389,9 +445,14 @@ void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots
       }
       const int64_t k_at = (((it.slot * num_layers + layer) * 2) * kv_heads + it.head) * tokens;
       const int64_t v_at = (((it.slot * num_layers + layer) * 2 + 1) * kv_heads + it.head) * tokens;
-      attend_block(groups, dim, q.data(), base + (k_at + it.start) * dim,
-                   base + (v_at + it.start) * dim, it.len, fscale, scores.data(),
-                   partial.data() + i * groups * part);
+      float* res = partial.data() + i * groups * part;
+      if (low) {
+        attend_block(groups, dim, q.data(), low_base + (k_at + it.start) * dim,
+                     low_base + (v_at + it.start) * dim, it.len, fscale, scores.data(), res);
+      } else {
+        attend_block(groups, dim, q.data(), base + (k_at + it.start) * dim,
+                     base + (v_at + it.start) * dim, it.len, fscale, scores.data(), res);
+      }
     }
   });
   merge_rows(num_rows, first, [&](int64_t i) { return items[i].head; }, partial, groups, dim,

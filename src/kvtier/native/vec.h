@@ -150,6 +150,31 @@ inline void widen_bf16(const uint16_t* x, int64_t n, float* out) {
   for (int64_t j = 0; j < n; ++j) out[j] = bits_float(static_cast<uint32_t>(x[j]) << 16);
 }
 
+// KV elements as the attention kernels read them: float32, or bfloat16 bit patterns
+// (uint16_t; kvtier's bf16 mode), widened to float32 on load (exact; vpmovzxwd and a
+// shift with AVX-512) and rounded to nearest even on store.
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+
+inline vfloat load_kv(const float* p) { return load(p); }
+inline vfloat load_kv(const uint16_t* p) {
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  const vuint bits = __builtin_convertvector(h, vuint) << 16;
+  return reinterpret_cast<const vfloat&>(bits);
+}
+
+inline void store_kv(const float* x, int64_t n, float* out) { std::memcpy(out, x, n * 4); }
+inline void store_kv(const float* x, int64_t n, uint16_t* out) { round_bf16(x, n, out); }
+
+// rows x [rows, dim] (row stride `stride` elements, dim a multiple of 16) into out
+// [rows, dim] float32 (contiguous).
+template <typename T>
+inline void widen_rows(const T* x, int64_t stride, int64_t rows, int64_t dim, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < dim; d += kLanes) store(out + r * dim + d, load_kv(x + r * stride + d));
+  }
+}
+
 // s[j] = exp(s[j] - shift) for j < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float shift) {
   vfloat acc{};

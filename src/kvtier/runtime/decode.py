@@ -7,7 +7,7 @@ a step's passes once, before the layer loop, and precomputes what every layer sh
 seat, tail position and resident slot range of each row. Per layer, ``attend`` makes one
 call:
 
-- on a float32 CPU slab with kvtier's CPU kernels (``kvtier.native``),
+- on a float32 or bf16 CPU slab with kvtier's CPU kernels (``kvtier.native``),
   ``kvtier_cpu::decode_attend``: it stores every row's new K/V in its tail, attends each
   row to its own tail tokens and resident slots only (no mask, no other seat read) and
   writes the rows' outputs;
@@ -54,9 +54,16 @@ class DecodeBatch:
         slab: the seats' storage every row lives in.
         kvs: the rows' sequences, their passes begun.
         rows: each row's index in the packed step.
+        dtype: the step's queries' dtype (the kernels take float32 queries only).
     """
 
-    def __init__(self, slab: SeatSlab, kvs: Sequence[SequenceKV], rows: Sequence[int]) -> None:
+    def __init__(
+        self,
+        slab: SeatSlab,
+        kvs: Sequence[SequenceKV],
+        rows: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.slab = slab
         self.kvs = list(kvs)
         size = slab.layout.chunk_tokens
@@ -82,7 +89,7 @@ class DecodeBatch:
         self.kv_heads, self.head_dim = heads, dim
         self.query: torch.Tensor | None = None  # [span, Hkv, G, D], sized at the first layer
         data = slab.data
-        self.ops = native.ops() if data.dtype == torch.float32 and data.is_cpu else None
+        self.ops = native.kv_ops(data) if dtype == torch.float32 else None
         # Rows with chunks attended in the host pool (native path only, see ``collect``):
         # (its step row, its hosted slots, its sequence).
         self.hosted = [
@@ -114,16 +121,23 @@ class DecodeBatch:
 
     @classmethod
     def collect(
-        cls, kvs: Sequence[SequenceKV], spans: Sequence[tuple[int, int]]
+        cls,
+        kvs: Sequence[SequenceKV],
+        spans: Sequence[tuple[int, int]],
+        dtype: torch.dtype = torch.float32,
     ) -> tuple[DecodeBatch | None, list[int]]:
-        """Split a step's passes: (the decode batch, or None; indices of the other spans)."""
+        """Split a step's passes: (the decode batch, or None; indices of the other spans).
+        ``dtype``: the step's queries' dtype."""
         chosen: list[int] = []
         rest: list[int] = []
         slab: SeatSlab | None = None
-        native_path = native.ops() is not None and all(
-            kv.arena.seat is None
-            or (kv.arena.seat[0].data.dtype == torch.float32 and kv.arena.seat[0].data.is_cpu)
-            for kv in kvs
+        native_path = (
+            native.ops() is not None
+            and dtype == torch.float32
+            and all(
+                kv.arena.seat is None or native.kv_ops(kv.arena.seat[0].data) is not None
+                for kv in kvs
+            )
         )
         for i, ((_, length), kv) in enumerate(zip(spans, kvs, strict=True)):
             seat = kv.arena.seat
@@ -139,7 +153,7 @@ class DecodeBatch:
                 rest.append(i)
         if slab is None or not chosen:
             return None, rest
-        batch = cls(slab, [kvs[i] for i in chosen], [spans[i][0] for i in chosen])
+        batch = cls(slab, [kvs[i] for i in chosen], [spans[i][0] for i in chosen], dtype)
         return batch, rest
 
     def attend(
@@ -304,7 +318,7 @@ def _merge_row(
 def _on_device_or_host(kv: SequenceKV, native_path: bool) -> bool:
     """The pass reads only resident chunks and its tail, unpadded, in one full group; on
     the native path also chunks streamed into its ring (all visible) and chunks attended
-    in a slot-major float32 CPU host pool (all visible)."""
+    in a slot-major float32 or bf16 CPU host pool (all visible)."""
     plan = kv.plan
     if plan is None or plan.recent_valid is not None or len(plan.resident) != 1:
         return False
@@ -319,8 +333,7 @@ def _on_device_or_host(kv: SequenceKV, native_path: bool) -> bool:
         native_path
         and len(plan.hosted) == 1
         and plan.hosted_valid[0] is None
-        and pool.is_cpu
-        and pool.dtype == torch.float32
+        and native.kv_ops(pool) is not None
         and not kv.host.layer_major
         and pool.is_contiguous()
     )

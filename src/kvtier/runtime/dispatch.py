@@ -7,8 +7,9 @@ score of every segment before its softmax; the merge stays exact.
 Each segment is attended with its log-sum-exp and the results are merged exactly
 (``kvtier.attention.merge``), so no pass concatenates the cache. Sliding-window layers mask
 every segment by its keys' absolute positions. A float32 CPU pass of one sequence whose
-whole KV is resident and unpadded takes one fused call instead (kvtier's CPU kernel
-``attend_prefill``: its earlier keys and its own keys, causally, no merge). kvtier's CPU
+whole KV (float32 or bf16) is resident and unpadded takes one fused call instead (kvtier's
+CPU kernel ``attend_prefill``: its earlier keys and its own keys, causally, no merge).
+kvtier's CPU
 kernels have no soft-cap: a capped layer never takes them (``attend_prefill``,
 ``attend_slots`` on the host) but torch's path with the cap, which is exact. The functions
 only read the views (and acquire/release the staging ring's pieces); they mutate no cache
@@ -102,12 +103,13 @@ def _fused_inputs(
     view: LayerKV, query: torch.Tensor, softcap: float | None
 ) -> tuple[Any, ...] | None:
     """``(ops, k_old, v_old, k_new, v_new)`` for kvtier's ``attend_prefill`` over
-    ``query [1, Hq, S, D]`` where it applies: kvtier's CPU kernels, float32 on the CPU, a
-    full-attention layer without soft-cap whose whole KV is resident and unpadded, the
-    pass's own keys last in ``recent_key``, at least ``FUSED_MIN_TOKENS``. None: the
-    segments path. With resident chunks, ``k_old`` is the chunks and ``k_new`` the whole
-    tail (its tokens before the pass all visible: the kernel's ``P``); without, ``k_old``
-    is the tail before the pass and ``k_new`` the pass's own keys.
+    ``query [1, Hq, S, D]`` where it applies: kvtier's CPU kernels, a float32 query and
+    float32 or bf16 KV (``native.KV_DTYPES``, one dtype) on the CPU, a full-attention layer
+    without soft-cap whose whole KV is resident and unpadded, the pass's own keys last in
+    ``recent_key``, at least ``FUSED_MIN_TOKENS``. None: the segments path. With
+    resident chunks, ``k_old`` is the chunks and ``k_new`` the whole tail (its tokens
+    before the pass all visible: the kernel's ``P``); without, ``k_old`` is the tail
+    before the pass and ``k_new`` the pass's own keys.
 
     A pass over resident chunks and an earlier tail (a reused prefix that ends inside a
     chunk: every next turn) took the segments path before the kernel had ``P``; warm 4K
@@ -134,11 +136,12 @@ def _fused_inputs(
         return None
     recent = view.recent_key.shape[2]
     earlier = recent - sq  # the tail's tokens before this pass
-    if view.recent_key.shape[0] != 1 or earlier < 0 or view.recent_key.dtype != torch.float32:
+    if view.recent_key.shape[0] != 1 or earlier < 0:
         return None
-    if any(t is not None and t.stride(-1) != 1 for t in _kv_tensors(view)):
+    kv = _kv_tensors(view)
+    if any(t is not None and (t.stride(-1) != 1 or t.dtype != view.recent_key.dtype) for t in kv):
         return None
-    ops = native.ops()
+    ops = native.kv_ops(view.recent_key)
     if ops is None:
         return None
     if view.resident_key is not None and view.resident_value is not None:

@@ -41,16 +41,17 @@ def _host_attention(
     softcap: float | None,
     mask: torch.Tensor | None,
 ) -> SegmentResult:
-    """``on_host``'s work. A few unmasked queries of one sequence on a float32 CPU pool
+    """``on_host``'s work. A few unmasked queries of one sequence on a float32 or bf16 CPU pool
     take kvtier's ``attend_slots`` kernel, which reads the pinned slots in place; the rest,
     and soft-capped layers (the kernel has no cap), gather the slots (a copy in host
     memory) and take ``attend_segment``."""
     pool = hosted.host.pool
     host = pool.device
-    ops = native.ops() if host.type == "cpu" and pool.dtype == torch.float32 else None
+    ops = native.kv_ops(pool)
     sq = query.shape[2]
     if (
         ops is not None
+        and query.dtype == torch.float32
         and mask is None
         and softcap is None
         and hosted.valid is None

@@ -5,8 +5,8 @@ The pass's queries attend its own keys causally in one call and each run of earl
 (resident chunks, the tail before the pass) in a call without a mask, the query heads that
 share a KV head folded into the query length; the parts are merged exactly by their
 log-sum-exps (``kvtier.attention.merge``). Scores, softmax and sums accumulate in float32
-inside torch's kernel; the result is written in float32. The KV cache stays float32: each
-call rounds the keys it reads.
+inside torch's kernel; the result is written in float32. In the engine's bf16 mode the KV
+cache is bf16 already; float32 keys are rounded as they are read.
 
 Measured against kvtier's float32 ``attend_prefill`` (SmolLM2's shape: 9 query heads over
 3, D 64; Intel Xeon with AMX, 2 threads, best of 7; S new tokens over E earlier keys):

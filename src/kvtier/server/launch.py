@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the model's forward: kvtier's own for the Llama family (auto), or transformers'",
     )
     low = (
-        "projections and long prefill attention in bf16: faster, tokens drift "
+        "projections, long prefill attention and the KV in bf16: faster, tokens drift "
         "(default: the weights' dtype, exact)"
     )
     parser.add_argument("--matmul-dtype", choices=("bfloat16",), default=None, help=low)
