@@ -187,6 +187,44 @@ def test_attend_prefill_sees_the_tails_earlier_keys_too(
     torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.skipif(not native.amx(), reason="this CPU (or build) has no AMX")
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "earlier", "tail", "new"),
+    [
+        (9, 3, 64, 0, 0, 256),
+        (9, 3, 64, 300, 0, 70),  # runs ending inside a tile and a 128-key block
+        (9, 3, 64, 0, 0, 1061),
+        (9, 3, 64, 2500, 17, 300),  # chunks, a tail before the pass, the pass
+        (8, 2, 128, 64, 0, 333),  # head dim 128: the P.V tiles in two turns
+        (4, 4, 64, 5, 129, 77),
+        (16, 2, 64, 40, 0, 33),  # 8 query heads a KV head
+        (7, 1, 64, 17, 3, 2),  # a 2-token pass: 14 idle lanes
+    ],
+)
+def test_attend_prefill_amx_is_attention_of_the_rounded_operands(
+    heads: int, kv_heads: int, dim: int, earlier: int, tail: int, new: int
+) -> None:
+    """bf16 K/V on AMX tiles: the queries (scaled) and the probabilities rounded to bf16,
+    sums in float32; against float64 attention of the rounded queries, within the
+    probabilities' rounding (2^-8 of each weight)."""
+    torch.manual_seed(2)
+    q = torch.randn(new, heads + 1, dim)[:, :heads].transpose(0, 1)  # strided, as the runner's
+    k_old, v_old = torch.randn(2, kv_heads, earlier, dim).bfloat16()
+    k_new, v_new = torch.randn(2, kv_heads, tail + new, dim).bfloat16()
+    out = torch.full((new, heads + 1, dim), 7.0)
+    assert _ops().attend_prefill_amx(q, k_old, v_old, k_new, v_new, out[:, :heads], dim**-0.5)
+    mask = torch.ones(new, earlier + tail + new, dtype=torch.bool)
+    mask[:, earlier + tail :] = torch.ones(new, new, dtype=torch.bool).tril()
+    k, v = torch.cat([k_old, k_new], 1).double(), torch.cat([v_old, v_new], 1).double()
+    rounded = (q * dim**-0.5).bfloat16().double()
+    want = F.scaled_dot_product_attention(
+        rounded[None], k[None], v[None], attn_mask=mask, scale=1.0, enable_gqa=True
+    )[0].transpose(0, 1)
+    err = (out[:, :heads].double() - want).abs().max().item()
+    assert err < 2**-8 * v.abs().max().item()
+    assert (out[:, heads:] == 7.0).all()  # nothing else written
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("kv_heads", "groups", "dim", "tokens"), [(3, 3, 64, 256), (2, 2, 16, 300)]
@@ -249,6 +287,8 @@ def test_bad_inputs_raise_a_clear_error() -> None:
             None,
             1.0,
         )
+    with pytest.raises(RuntimeError, match="attend_prefill_amx: K/V must be bfloat16"):
+        _ops().attend_prefill_amx(q, kv, kv, kv, kv, out, 1.0)
     q, kv, out = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(4, 2, 32)
     with pytest.raises(RuntimeError, match="head dim 32 is not 64 or 128"):
         _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)

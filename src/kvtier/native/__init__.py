@@ -42,12 +42,13 @@ _HERE = Path(__file__).parent
 SOURCES = (
     _HERE / "cpu_ops.cpp",
     _HERE / "attend_prefill.cpp",
+    _HERE / "attend_amx.cpp",
     _HERE / "codec_ops.cpp",
     _HERE / "linear_ops.cpp",
     _HERE / "pool.cpp",
     _HERE / "decode_layers.cpp",
 )
-HEADERS = (_HERE / "vec.h", _HERE / "pool.h", _HERE / "ops.h")
+HEADERS = (_HERE / "vec.h", _HERE / "pool.h", _HERE / "ops.h", _HERE / "amx.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 ENV_SWITCH = "KVTIER_NATIVE"
@@ -108,6 +109,21 @@ def kv_ops(kv: torch.Tensor) -> Any | None:
     """``ops()`` when the attention kernels read ``kv`` (a CPU tensor of a ``KV_DTYPES``
     type), else None: the caller takes its torch path."""
     return ops() if kv.is_cpu and kv.dtype in KV_DTYPES else None
+
+
+def amx() -> bool:
+    """Whether the kernels run bf16 attention on AMX tiles here (``attend_amx.cpp``: built
+    for a CPU with AMX, and Linux grants the tile state)."""
+    global _amx
+    kernels = ops()
+    if kernels is None:
+        return False
+    if _amx is None:
+        _amx = bool(kernels.has_amx())
+    return _amx
+
+
+_amx: bool | None = None
 
 
 def status() -> NativeStatus:

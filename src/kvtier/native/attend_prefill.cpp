@@ -38,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -305,9 +306,12 @@ void check_3d(const at::Tensor& t, const char* name, at::ScalarType dtype) {
               " CPU [H, L, D] with stride 1 in D");
 }
 
-void attend_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::Tensor& v_old,
-                    const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out,
-                    double scale) {
+}  // namespace
+
+namespace kvtier_ops {
+
+void check_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::Tensor& v_old,
+                   const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out) {
   const at::ScalarType kv = k_new.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
   check_3d(query, "query", at::kFloat);
   check_3d(k_old, "k_old", kv);
@@ -325,8 +329,19 @@ void attend_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::
               "attend_prefill: k_old/v_old must be [Hkv, R, D]");
   TORCH_CHECK(out.size(0) == len && out.size(1) == hq && out.size(2) == dim,
               "attend_prefill: out must be [S, Hq, D]");
+}
+
+}  // namespace kvtier_ops
+
+namespace {
+
+void attend_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::Tensor& v_old,
+                    const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out,
+                    double scale) {
+  kvtier_ops::check_prefill(query, k_old, v_old, k_new, v_new, out);
+  const int64_t len = query.size(1), dim = query.size(2);
   if (len == 0) return;
-  const bool low = kv == at::kBFloat16;
+  const bool low = k_new.scalar_type() == at::kBFloat16;
   if (dim == 64) {
     (low ? attend_prefill_impl<64, uint16_t> : attend_prefill_impl<64, float>)(
         query, k_old, v_old, k_new, v_new, out, scale);

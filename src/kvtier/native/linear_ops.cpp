@@ -51,11 +51,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx.h"
 #include "ops.h"
 #include "pool.h"
 #include "vec.h"
@@ -261,22 +257,8 @@ constexpr int64_t kAmxLines = 16;  // lines (pairs of k) per step
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxAhead = 2 * kAmxLines;  // how far ahead (lines) a step prefetches
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands a process AMX's tile state only when asked (arch_prctl, once per process).
-bool amx_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                      18 /* XFEATURE_XTILEDATA */) == 0;
-  return granted;
-}
-
 inline void configure_tiles(int64_t m) {
-  TileConfig cfg{};
+  kvtier_amx::TileConfig cfg{};
   cfg.palette = 1;
   for (int t = 0; t < 5; ++t) {  // C0-C3 and A: m rows of 64 bytes
     cfg.rows[t] = static_cast<uint8_t>(m);
@@ -402,7 +384,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
     const auto* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr<at::BFloat16>());
     const auto* xw = reinterpret_cast<const uint32_t*>(xr);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (lines % kAmxLines == 0 && amx_granted()) {
+    if (lines % kAmxLines == 0 && kvtier_amx::granted()) {
       linear_amx(xr, wp, bp, y.data_ptr<float>(), rows, lines, out_n, count);
       return y;
     }

@@ -17,6 +17,16 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
                    const at::Tensor& new_v, const at::Tensor& out,
                    const std::optional<at::Tensor>& lse, double scale);
 
+// attend_prefill's input checks (attend_prefill.cpp): a c10::Error naming the mismatch.
+void check_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::Tensor& v_old,
+                   const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out);
+
+// attend_prefill's contract for bf16 K/V on AMX tiles (attend_amx.cpp); false (nothing
+// written) where the CPU or the build has no AMX, or the head dim is not a multiple of 32.
+bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
+                        const at::Tensor& v_old, const at::Tensor& k_new,
+                        const at::Tensor& v_new, const at::Tensor& out, double scale);
+
 void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots,
                   const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse,
                   double scale);

@@ -1,0 +1,356 @@
+// attend_prefill_amx: attend_prefill's contract (attend_prefill.cpp) for bf16 K/V, with
+// both matmuls on AMX tiles (tdpbf16ps, float32 accumulation). kvtier's bf16 mode.
+//
+// A work item is (KV head, 16 positions): the positions are a tile's 16 columns and, as in
+// attend_prefill, the 16 lanes of every softmax vector (no horizontal reductions). Per item
+// and block of 128 keys, for each of the G query heads of the KV head:
+//
+//   scores  S^T [keys][16 positions] = K Q^T: A = 16 keys x 32 d of K, read in place
+//           (row stride of the tensor); B = the item's queries, scaled, rounded to bf16
+//           and packed once as pairs of d ([D/32][16 pairs][16 positions][2])
+//   softmax per lane: running max and sum, masked keys weigh 0 (the diagonal block only);
+//           the probabilities rounded to bf16 and packed as pairs of keys (B of P·V)
+//   O^T [D][16 positions] += V^T P^T: A = 16 d x 32 keys of V^T, packed once per call
+//           for every item ([Hkv][D][keys]); the accumulators live in the item's scratch
+//           and are rescaled there by the block's alpha
+//
+// The queries are rounded to bf16 (the scale applied first), as torch's bf16 flash
+// attention rounds them; scores, softmax and sums are float32. Tiles: every one 16 rows of
+// 64 bytes; 0-3 accumulators, 4 the B operand, 5 the A operand. Each thread loads its tile
+// configuration and releases the tiles when its items are done.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "amx.h"
+#include "ops.h"
+#include "vec.h"
+
+namespace kvtier_ops {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace {
+
+using namespace kvtier_vec;
+
+constexpr int64_t kPos = kLanes;  // positions per item: the tile's columns, the lanes
+constexpr int64_t kBlock = 128;   // keys per online-softmax block (a multiple of 32)
+constexpr int64_t kTileKeys = 16;  // keys per score tile (its rows)
+constexpr int64_t kChunk = 32;    // bf16 values of k per tdpbf16ps (64 bytes)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// 16 lanes rounded to bf16 (to nearest, ties to even; finite values), in the low halves.
+inline vuint round_lanes(vfloat x) {
+  const vuint b = reinterpret_cast<const vuint&>(x);
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
+// C tile t (0-3) += A tile 5 x B tile 4.
+inline void dp(int t) {
+  switch (t) {
+    case 0: _tile_dpbf16ps(0, 5, 4); break;
+    case 1: _tile_dpbf16ps(1, 5, 4); break;
+    case 2: _tile_dpbf16ps(2, 5, 4); break;
+    default: _tile_dpbf16ps(3, 5, 4); break;
+  }
+}
+
+inline void load_c(int t, const float* p) {
+  switch (t) {
+    case 0: _tile_loadd(0, p, 64); break;
+    case 1: _tile_loadd(1, p, 64); break;
+    case 2: _tile_loadd(2, p, 64); break;
+    default: _tile_loadd(3, p, 64); break;
+  }
+}
+
+inline void store_c(int t, float* p) {
+  switch (t) {
+    case 0: _tile_stored(0, p, 64); break;
+    case 1: _tile_stored(1, p, 64); break;
+    case 2: _tile_stored(2, p, 64); break;
+    default: _tile_stored(3, p, 64); break;
+  }
+}
+
+inline void zero_c(int t) {
+  switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3); break;
+  }
+}
+
+// One run of keys an item attends: rows k[0 .. len) (row stride ks), their values in the
+// packed V^T (vt[d * lpad + j]); own: the pass's own keys (key j visible to lane i iff
+// j <= p0 + i), else all visible.
+struct Run {
+  const uint16_t* k;
+  int64_t ks;
+  const uint16_t* vt;
+  int64_t lpad;
+  int64_t len;
+  bool own;
+};
+
+// An item's scratch (64-byte aligned, reused by the thread's later items).
+struct Scratch {
+  uint32_t* qp;     // [G][D/32][16 pairs][16]: the scaled, rounded queries as B
+  float* s;         // [G][kBlock][16]: scores, lanes = positions
+  uint32_t* pp;     // [G][kBlock/2][16]: probabilities as pairs of keys (B of P.V)
+  float* ot;        // [G][D][16]: O^T accumulators
+  vfloat* m;        // [G] running max
+  vfloat* l;        // [G] running sum
+  uint16_t* kpad;   // [16][D]: a run's last, partial tile of keys, zero-padded
+};
+
+void attend_block(const Scratch& sc, int64_t groups, int64_t dim, const Run& run, int64_t j0,
+                  int64_t p0) {
+  const int64_t nk = std::min(kBlock, run.len - j0);
+  const int64_t tiles = (nk + kTileKeys - 1) / kTileKeys;
+  const int64_t chunks = dim / kChunk;
+  const uint16_t* kb = run.k + j0 * run.ks;
+  if (nk % kTileKeys != 0) {  // the last tile's rows past the run: zeros, not the next keys
+    const int64_t full = nk - nk % kTileKeys;
+    std::memset(sc.kpad, 0, kTileKeys * dim * sizeof(uint16_t));
+    for (int64_t j = full; j < nk; ++j) {
+      std::memcpy(sc.kpad + (j - full) * dim, kb + j * run.ks, dim * sizeof(uint16_t));
+    }
+  }
+  // 1. scores, every query head of the group
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+      const int cnt = static_cast<int>(std::min<int64_t>(4, tiles - t0));
+      for (int t = 0; t < cnt; ++t) zero_c(t);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(4, sc.qp + (g * chunks + c) * kTileKeys * kPos, 64);
+        for (int t = 0; t < cnt; ++t) {
+          const int64_t row = (t0 + t) * kTileKeys;
+          if (row + kTileKeys <= nk) {
+            _tile_loadd(5, kb + row * run.ks + c * kChunk, run.ks * sizeof(uint16_t));
+          } else {
+            _tile_loadd(5, sc.kpad + c * kChunk, dim * sizeof(uint16_t));
+          }
+          dp(t);
+        }
+      }
+      for (int t = 0; t < cnt; ++t) store_c(t, sc.s + (g * kBlock + (t0 + t) * kTileKeys) * kPos);
+    }
+  }
+  // 2. online softmax per lane; probabilities as pairs of keys, zero past the block
+  const int64_t pairs = (nk + kChunk - 1) / kChunk * (kChunk / 2);
+  const bool masked = run.own && j0 + nk - 1 > p0;
+  const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t g = 0; g < groups; ++g) {
+    float* s = sc.s + g * kBlock * kPos;
+    vfloat bmax = splat(kNegInf);
+    for (int64_t j = 0; j < nk; ++j) {
+      vfloat x = load(s + j * kPos);
+      if (masked) {
+        x = lane >= static_cast<float>(j0 + j - p0) ? x : splat(kNegInf);
+        store(s + j * kPos, x);
+      }
+      bmax = vmax(bmax, x);
+    }
+    const vfloat m_new = vmax(sc.m[g], bmax);  // finite: a run's key 0 is seen by every lane
+    const vfloat alpha = exp_vec(sc.m[g] - m_new);
+    vfloat sum{};
+    uint32_t* pp = sc.pp + g * (kBlock / 2) * kPos;
+    for (int64_t q = 0; q < pairs; ++q) {
+      vfloat p[2];
+      for (int i = 0; i < 2; ++i) {
+        const int64_t j = 2 * q + i;
+        if (j < nk) {
+          const vfloat x = load(s + j * kPos);
+          p[i] = exp_vec(x - m_new);
+          if (masked) p[i] = x == kNegInf ? vfloat{} : p[i];
+        } else {
+          p[i] = vfloat{};
+        }
+      }
+      sum += p[0] + p[1];
+      const vuint word = round_lanes(p[0]) | (round_lanes(p[1]) << 16);
+      std::memcpy(pp + q * kPos, &word, sizeof word);
+    }
+    sc.l[g] = sc.l[g] * alpha + sum;
+    sc.m[g] = m_new;
+    float* ot = sc.ot + g * dim * kPos;
+    for (int64_t d = 0; d < dim; ++d) store(ot + d * kPos, load(ot + d * kPos) * alpha);
+  }
+  // 3. O^T += V^T P^T, 4 tiles of 16 d at a time
+  const int64_t dtiles = dim / kTileKeys, kchunks = pairs / (kChunk / 2);
+  const uint16_t* vb = run.vt + j0;
+  for (int64_t g = 0; g < groups; ++g) {
+    float* ot = sc.ot + g * dim * kPos;
+    const uint32_t* pp = sc.pp + g * (kBlock / 2) * kPos;
+    for (int64_t t0 = 0; t0 < dtiles; t0 += 4) {
+      const int cnt = static_cast<int>(std::min<int64_t>(4, dtiles - t0));
+      for (int t = 0; t < cnt; ++t) load_c(t, ot + (t0 + t) * kTileKeys * kPos);
+      for (int64_t kc = 0; kc < kchunks; ++kc) {
+        _tile_loadd(4, pp + kc * (kChunk / 2) * kPos, 64);
+        for (int t = 0; t < cnt; ++t) {
+          _tile_loadd(5, vb + (t0 + t) * kTileKeys * run.lpad + kc * kChunk,
+                      run.lpad * sizeof(uint16_t));
+          dp(t);
+        }
+      }
+      for (int t = 0; t < cnt; ++t) store_c(t, ot + (t0 + t) * kTileKeys * kPos);
+    }
+  }
+}
+
+// vt [Hkv][D][lpad] = V^T of v [Hkv, len, D] (bf16 bits; zeros past len).
+void pack_vt(const at::Tensor& v, int64_t lpad, uint16_t* vt) {
+  const int64_t heads = v.size(0), len = v.size(1), dim = v.size(2);
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  at::parallel_for(0, heads * (dim / kTileKeys), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t h = x / (dim / kTileKeys), d0 = x % (dim / kTileKeys) * kTileKeys;
+      const uint16_t* src = vp + h * v.stride(0);
+      uint16_t* dst = vt + (h * dim + d0) * lpad;
+      for (int64_t j = 0; j < len; ++j) {
+        const uint16_t* row = src + j * v.stride(1) + d0;
+        for (int64_t d = 0; d < kTileKeys; ++d) dst[d * lpad + j] = row[d];
+      }
+      for (int64_t d = 0; d < kTileKeys; ++d) std::fill(dst + d * lpad + len, dst + (d + 1) * lpad, 0);
+    }
+  });
+}
+
+}  // namespace
+
+bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
+                        const at::Tensor& v_old, const at::Tensor& k_new,
+                        const at::Tensor& v_new, const at::Tensor& out, double scale) {
+  const int64_t dim = query.size(2);
+  if (dim % kChunk != 0 || !kvtier_amx::granted()) return false;
+  const int64_t hq = query.size(0), len = query.size(1), hkv = k_new.size(0);
+  const int64_t groups = hq / hkv, old_len = k_old.size(1), pre = k_new.size(1) - len;
+  const int64_t lpad_old = (old_len + kChunk - 1) / kChunk * kChunk + kChunk;
+  const int64_t lpad_new = (pre + len + kChunk - 1) / kChunk * kChunk + kChunk;
+  std::vector<uint16_t> vt_old(old_len > 0 ? hkv * dim * lpad_old : 0);
+  std::vector<uint16_t> vt_new(hkv * dim * lpad_new);
+  if (old_len > 0) pack_vt(v_old, lpad_old, vt_old.data());
+  pack_vt(v_new, lpad_new, vt_new.data());
+  const auto* kop = reinterpret_cast<const uint16_t*>(k_old.data_ptr<at::BFloat16>());
+  const auto* knp = reinterpret_cast<const uint16_t*>(k_new.data_ptr<at::BFloat16>());
+  const float* qp = query.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t blocks = (len + kPos - 1) / kPos, items = blocks * hkv;
+  const int64_t chunks = dim / kChunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    thread_local std::vector<float> buffer;
+    const size_t floats = groups * (chunks * kTileKeys * kPos + kBlock * kPos +
+                                    kBlock / 2 * kPos + dim * kPos + 2 * kPos) +
+                          kTileKeys * dim / 2 + 2 * kLanes;
+    if (buffer.size() < floats) buffer.resize(floats);
+    float* base = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+    Scratch scr{};
+    scr.qp = reinterpret_cast<uint32_t*>(base);
+    scr.s = base + groups * chunks * kTileKeys * kPos;
+    scr.pp = reinterpret_cast<uint32_t*>(scr.s + groups * kBlock * kPos);
+    scr.ot = reinterpret_cast<float*>(scr.pp + groups * kBlock / 2 * kPos);
+    scr.m = reinterpret_cast<vfloat*>(scr.ot + groups * dim * kPos);
+    scr.l = scr.m + groups;
+    scr.kpad = reinterpret_cast<uint16_t*>(scr.l + groups);
+    bool configured = false;
+    for (int64_t item = next++; item < items; item = next++) {
+      if (!configured) {
+        kvtier_amx::configure_full();
+        configured = true;
+      }
+      const int64_t block = blocks - 1 - item / hkv, h = item % hkv;  // longest first
+      const int64_t p0 = block * kPos, np = std::min(kPos, len - p0);
+      // queries: qp[g][c][k2][p] = the pair (2 k2, 2 k2 + 1) of chunk c of position p
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = qp + (h * groups + g) * query.stride(0) + p0 * query.stride(1);
+        uint32_t* dst = scr.qp + g * chunks * kTileKeys * kPos;
+        for (int64_t p = 0; p < kPos; ++p) {
+          const float* row = src + p * query.stride(1);
+          for (int64_t c = 0; c < chunks; ++c) {
+            for (int64_t k2 = 0; k2 < kTileKeys; ++k2) {
+              uint32_t word = 0;
+              if (p < np) {
+                uint16_t pair[2];
+                const float x[2] = {row[c * kChunk + 2 * k2] * sc, row[c * kChunk + 2 * k2 + 1] * sc};
+                round_bf16(x, 2, pair);
+                word = static_cast<uint32_t>(pair[0]) | static_cast<uint32_t>(pair[1]) << 16;
+              }
+              dst[(c * kTileKeys + k2) * kPos + p] = word;
+            }
+          }
+        }
+        scr.m[g] = splat(kNegInf);
+        scr.l[g] = vfloat{};
+      }
+      std::fill_n(scr.ot, groups * dim * kPos, 0.f);
+      const Run runs[3] = {
+          {kop + h * k_old.stride(0), k_old.stride(1), vt_old.data() + h * dim * lpad_old,
+           lpad_old, old_len, false},
+          {knp + h * k_new.stride(0), k_new.stride(1), vt_new.data() + h * dim * lpad_new,
+           lpad_new, pre, false},
+          {knp + h * k_new.stride(0) + pre * k_new.stride(1), k_new.stride(1),
+           vt_new.data() + h * dim * lpad_new + pre, lpad_new, p0 + np, true},
+      };
+      for (const Run& run : runs) {
+        for (int64_t j0 = 0; j0 < run.len; j0 += kBlock) attend_block(scr, groups, dim, run, j0, p0);
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* ot = scr.ot + g * dim * kPos;
+        const vfloat inv = 1.f / scr.l[g];
+        for (int64_t p = 0; p < np; ++p) {
+          float* dst = op + (p0 + p) * out.stride(0) + (h * groups + g) * out.stride(1);
+          for (int64_t d = 0; d < dim; ++d) dst[d] = ot[d * kPos + p] * inv[p];
+        }
+      }
+    }
+    if (configured) _tile_release();
+  });
+  return true;
+}
+#else
+bool attend_prefill_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  return false;
+}
+#endif
+
+}  // namespace kvtier_ops
+
+namespace {
+
+// The op: attend_prefill's checks, then the AMX kernel; whether it ran.
+bool attend_prefill_amx_op(const at::Tensor& query, const at::Tensor& k_old,
+                           const at::Tensor& v_old, const at::Tensor& k_new,
+                           const at::Tensor& v_new, const at::Tensor& out, double scale) {
+  kvtier_ops::check_prefill(query, k_old, v_old, k_new, v_new, out);
+  TORCH_CHECK(k_new.scalar_type() == at::kBFloat16, "attend_prefill_amx: K/V must be bfloat16");
+  if (query.size(1) == 0) return true;
+  return kvtier_ops::attend_prefill_amx(query, k_old, v_old, k_new, v_new, out, scale);
+}
+
+// Whether the AMX kernels run here (built for AMX, and Linux grants the tile state).
+bool has_amx() { return kvtier_amx::kBuilt && kvtier_amx::granted(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtier_cpu, m) {
+  m.def(
+      "attend_prefill_amx(Tensor query, Tensor k_old, Tensor v_old, Tensor k_new, "
+      "Tensor v_new, Tensor(a!) out, float scale) -> bool");
+  m.def("has_amx() -> bool", &has_amx);
+}
+
+TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) { m.impl("attend_prefill_amx", &attend_prefill_amx_op); }
