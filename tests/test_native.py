@@ -3,6 +3,7 @@ input checks, and the on-disk cache that spares a second process the compile."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -204,9 +205,10 @@ def test_attend_prefill_sees_the_tails_earlier_keys_too(
 def test_attend_prefill_amx_is_attention_of_the_rounded_operands(
     heads: int, kv_heads: int, dim: int, earlier: int, tail: int, new: int
 ) -> None:
-    """bf16 K/V on AMX tiles: the queries (scaled) and the probabilities rounded to bf16,
-    sums in float32; against float64 attention of the rounded queries, within the
-    probabilities' rounding (2^-8 of each weight)."""
+    """bf16 K/V on AMX tiles: the queries (times the scale and log2(e): the softmax runs in
+    base 2) and the probabilities rounded to bf16, sums in float32; against float64
+    attention of the rounded queries, within the probabilities' rounding (2^-8 of each
+    weight)."""
     torch.manual_seed(2)
     q = torch.randn(new, heads + 1, dim)[:, :heads].transpose(0, 1)  # strided, as the runner's
     k_old, v_old = torch.randn(2, kv_heads, earlier, dim).bfloat16()
@@ -216,7 +218,7 @@ def test_attend_prefill_amx_is_attention_of_the_rounded_operands(
     mask = torch.ones(new, earlier + tail + new, dtype=torch.bool)
     mask[:, earlier + tail :] = torch.ones(new, new, dtype=torch.bool).tril()
     k, v = torch.cat([k_old, k_new], 1).double(), torch.cat([v_old, v_new], 1).double()
-    rounded = (q * dim**-0.5).bfloat16().double()
+    rounded = (q * dim**-0.5 * math.log2(math.e)).bfloat16().double() * math.log(2)
     want = F.scaled_dot_product_attention(
         rounded[None], k[None], v[None], attn_mask=mask, scale=1.0, enable_gqa=True
     )[0].transpose(0, 1)

@@ -14,10 +14,13 @@
 //           for every item ([Hkv][D][keys]); the accumulators live in the item's scratch
 //           and are rescaled there by the block's alpha
 //
-// The queries are rounded to bf16 (the scale applied first), as torch's bf16 flash
-// attention rounds them; scores, softmax and sums are float32. Tiles: every one 16 rows of
-// 64 bytes; 0-3 accumulators, 4 the B operand, 5 the A operand. Each thread loads its tile
+// The queries are rounded to bf16 (the scale and log2(e) applied first: the softmax runs in
+// base 2), as torch's bf16 flash attention rounds them; scores, softmax and sums are float32. Tiles: every one 16 rows of
+// 64 bytes; 0-3 accumulators, 4 the B operand, 5 and 6 the A operand (alternating). Each thread loads its tile
 // configuration and releases the tiles when its items are done.
+//
+// Measured against attend_prefill on the same bf16 KV and torch's bf16 flash kernel:
+// runtime/dispatch.py (AMX_MIN_PAIRS).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +49,8 @@ constexpr int64_t kBlock = 128;   // keys per online-softmax block (a multiple o
 constexpr int64_t kTileKeys = 16;  // keys per score tile (its rows)
 constexpr int64_t kChunk = 32;    // bf16 values of k per tdpbf16ps (64 bytes)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kNoMax = -1e30f;  // the running max before any key: finite, so 2^(m - m') is 0
+constexpr float kLog2e = 1.44269504088896341f;  // scores in base 2: the queries carry it
 
 // 16 lanes rounded to bf16 (to nearest, ties to even; finite values), in the low halves.
 inline vuint round_lanes(vfloat x) {
@@ -53,13 +58,48 @@ inline vuint round_lanes(vfloat x) {
   return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
-// C tile t (0-3) += A tile 5 x B tile 4.
-inline void dp(int t) {
+// 2^t for a finite t <= 0 (relative error about 2.4e-6: the degree-5 Taylor polynomial
+// of 2^f on |f| <= 1/2), scaled by vscalefps (huge negative t: 0). Probabilities are
+// rounded to bf16 (2^-9) anyway; 6 instructions against exp_vec's 13.
+inline vfloat exp2_low(vfloat t) {
+  const __m512 n = _mm512_roundscale_ps(reinterpret_cast<const __m512&>(t),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat f = t - reinterpret_cast<const vfloat&>(n);
+  vfloat p = f * 1.3333558e-3f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const __m512 r = _mm512_scalef_ps(reinterpret_cast<const __m512&>(p), n);
+  return reinterpret_cast<const vfloat&>(r);
+}
+
+// dst[p] = bf16(even[p]) | bf16(odd[p]) << 16 for the 16 lanes (to nearest even): one
+// vcvtne2ps2bf16 and one word permute where the CPU has AVX-512 BF16.
+inline void store_pairs(vfloat even, vfloat odd, uint32_t* dst) {
+#ifdef __AVX512BF16__
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512bh both = _mm512_cvtne2ps_pbh(reinterpret_cast<const __m512&>(odd),
+                                            reinterpret_cast<const __m512&>(even));
+  const __m512i words = _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave),
+                                                 reinterpret_cast<const __m512i&>(both));
+  _mm512_storeu_si512(dst, words);
+#else
+  const vuint word = round_lanes(even) | (round_lanes(odd) << 16);
+  std::memcpy(dst, &word, sizeof word);
+#endif
+}
+
+// A into tile 5 + t % 2 (alternating, so a load need not wait for the product before it
+// to release its tile), then C tile t (0-3) += that A x B tile 4.
+inline void load_a_dp(int t, const void* a, int64_t stride) {
   switch (t) {
-    case 0: _tile_dpbf16ps(0, 5, 4); break;
-    case 1: _tile_dpbf16ps(1, 5, 4); break;
-    case 2: _tile_dpbf16ps(2, 5, 4); break;
-    default: _tile_dpbf16ps(3, 5, 4); break;
+    case 0: _tile_loadd(5, a, stride); _tile_dpbf16ps(0, 5, 4); break;
+    case 1: _tile_loadd(6, a, stride); _tile_dpbf16ps(1, 6, 4); break;
+    case 2: _tile_loadd(5, a, stride); _tile_dpbf16ps(2, 5, 4); break;
+    default: _tile_loadd(6, a, stride); _tile_dpbf16ps(3, 6, 4); break;
   }
 }
 
@@ -136,11 +176,10 @@ void attend_block(const Scratch& sc, int64_t groups, int64_t dim, const Run& run
         for (int t = 0; t < cnt; ++t) {
           const int64_t row = (t0 + t) * kTileKeys;
           if (row + kTileKeys <= nk) {
-            _tile_loadd(5, kb + row * run.ks + c * kChunk, run.ks * sizeof(uint16_t));
+            load_a_dp(t, kb + row * run.ks + c * kChunk, run.ks * sizeof(uint16_t));
           } else {
-            _tile_loadd(5, sc.kpad + c * kChunk, dim * sizeof(uint16_t));
+            load_a_dp(t, sc.kpad + c * kChunk, dim * sizeof(uint16_t));
           }
-          dp(t);
         }
       }
       for (int t = 0; t < cnt; ++t) store_c(t, sc.s + (g * kBlock + (t0 + t) * kTileKeys) * kPos);
@@ -152,17 +191,18 @@ void attend_block(const Scratch& sc, int64_t groups, int64_t dim, const Run& run
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t g = 0; g < groups; ++g) {
     float* s = sc.s + g * kBlock * kPos;
-    vfloat bmax = splat(kNegInf);
-    for (int64_t j = 0; j < nk; ++j) {
+    vfloat top[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+    for (int64_t j = 0; j < nk; ++j) {  // 4 chains: one vmaxps waits 4 cycles for the last
       vfloat x = load(s + j * kPos);
       if (masked) {
         x = lane >= static_cast<float>(j0 + j - p0) ? x : splat(kNegInf);
         store(s + j * kPos, x);
       }
-      bmax = vmax(bmax, x);
+      top[j % 4] = vmax(top[j % 4], x);
     }
+    const vfloat bmax = vmax(vmax(top[0], top[1]), vmax(top[2], top[3]));
     const vfloat m_new = vmax(sc.m[g], bmax);  // finite: a run's key 0 is seen by every lane
-    const vfloat alpha = exp_vec(sc.m[g] - m_new);
+    const vfloat alpha = exp2_low(sc.m[g] - m_new);
     vfloat sum{};
     uint32_t* pp = sc.pp + g * (kBlock / 2) * kPos;
     for (int64_t q = 0; q < pairs; ++q) {
@@ -171,15 +211,14 @@ void attend_block(const Scratch& sc, int64_t groups, int64_t dim, const Run& run
         const int64_t j = 2 * q + i;
         if (j < nk) {
           const vfloat x = load(s + j * kPos);
-          p[i] = exp_vec(x - m_new);
+          p[i] = exp2_low(x - m_new);  // masked keys (x = -inf: NaN here) weigh 0 below
           if (masked) p[i] = x == kNegInf ? vfloat{} : p[i];
         } else {
           p[i] = vfloat{};
         }
       }
       sum += p[0] + p[1];
-      const vuint word = round_lanes(p[0]) | (round_lanes(p[1]) << 16);
-      std::memcpy(pp + q * kPos, &word, sizeof word);
+      store_pairs(p[0], p[1], pp + q * kPos);
     }
     sc.l[g] = sc.l[g] * alpha + sum;
     sc.m[g] = m_new;
@@ -198,9 +237,8 @@ void attend_block(const Scratch& sc, int64_t groups, int64_t dim, const Run& run
       for (int64_t kc = 0; kc < kchunks; ++kc) {
         _tile_loadd(4, pp + kc * (kChunk / 2) * kPos, 64);
         for (int t = 0; t < cnt; ++t) {
-          _tile_loadd(5, vb + (t0 + t) * kTileKeys * run.lpad + kc * kChunk,
-                      run.lpad * sizeof(uint16_t));
-          dp(t);
+          load_a_dp(t, vb + (t0 + t) * kTileKeys * run.lpad + kc * kChunk,
+                    run.lpad * sizeof(uint16_t));
         }
       }
       for (int t = 0; t < cnt; ++t) store_c(t, ot + (t0 + t) * kTileKeys * kPos);
@@ -245,7 +283,7 @@ bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
   const auto* knp = reinterpret_cast<const uint16_t*>(k_new.data_ptr<at::BFloat16>());
   const float* qp = query.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale) * kLog2e;
   const int64_t blocks = (len + kPos - 1) / kPos, items = blocks * hkv;
   const int64_t chunks = dim / kChunk;
   std::atomic<int64_t> next{0};
@@ -277,22 +315,26 @@ bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
       for (int64_t g = 0; g < groups; ++g) {
         const float* src = qp + (h * groups + g) * query.stride(0) + p0 * query.stride(1);
         uint32_t* dst = scr.qp + g * chunks * kTileKeys * kPos;
-        for (int64_t p = 0; p < kPos; ++p) {
-          const float* row = src + p * query.stride(1);
-          for (int64_t c = 0; c < chunks; ++c) {
-            for (int64_t k2 = 0; k2 < kTileKeys; ++k2) {
-              uint32_t word = 0;
-              if (p < np) {
-                uint16_t pair[2];
-                const float x[2] = {row[c * kChunk + 2 * k2] * sc, row[c * kChunk + 2 * k2 + 1] * sc};
-                round_bf16(x, 2, pair);
-                word = static_cast<uint32_t>(pair[0]) | static_cast<uint32_t>(pair[1]) << 16;
-              }
+        for (int64_t c = 0; c < chunks; ++c) {
+          // rows[p][k2]: position p's 32 values of chunk c as 16 pairs, then transposed
+          alignas(64) uint16_t rows[kPos][kChunk] = {};
+          for (int64_t p = 0; p < np; ++p) {
+            const float* row = src + p * query.stride(1) + c * kChunk;
+            for (int64_t half = 0; half < 2; ++half) {
+              const vhalf bits = __builtin_convertvector(
+                  round_lanes(load(row + half * kLanes) * sc), vhalf);
+              std::memcpy(rows[p] + half * kLanes, &bits, sizeof bits);
+            }
+          }
+          for (int64_t k2 = 0; k2 < kTileKeys; ++k2) {
+            for (int64_t p = 0; p < kPos; ++p) {
+              uint32_t word;
+              std::memcpy(&word, rows[p] + 2 * k2, sizeof word);
               dst[(c * kTileKeys + k2) * kPos + p] = word;
             }
           }
         }
-        scr.m[g] = splat(kNegInf);
+        scr.m[g] = splat(kNoMax);
         scr.l[g] = vfloat{};
       }
       std::fill_n(scr.ot, groups * dim * kPos, 0.f);

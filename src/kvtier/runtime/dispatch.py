@@ -90,16 +90,17 @@ def attend_packed(
     return out
 
 
-AMX_MIN_PAIRS = 1 << 14
+AMX_MIN_PAIRS = 1 << 13
 """A pass over bf16 KV (kvtier's bf16 mode) with at least this many causal query-key pairs
 per head, ``S * (E + S / 2)``, takes ``attend_prefill_amx`` where the CPU has AMX: both
-matmuls on AMX tiles, the queries and probabilities rounded to bf16. Measured against
-``attend_prefill`` on the same bf16 KV and torch's bf16 flash kernel (SmolLM2's shape: 9
-query heads over 3, D 64; Intel Xeon with AMX, 2 threads, best of 5; ms, S over E): 64
-over 0 0.051 against 0.032 and 0.096; 128 over 0 0.086 / 0.087 / 0.145; 256 over 0 0.21 /
-0.28 / 0.35; 512 over 0 0.62 / 0.96 / 1.08; 16 over 4,096 0.53 / 0.63 / 0.99; 128 over
-1,024 0.58 / 0.98 / 0.76; 2,048 over 0 7.4 / 14.3 / 8.5; 2,048 over 2,048 21.0 / 44.3 /
-22.8. So with AMX it replaces torch's flash kernel (``low_attend``) for bf16 KV too."""
+matmuls on AMX tiles, the softmax in base 2, queries and probabilities rounded to bf16.
+Measured against ``attend_prefill`` on the same bf16 KV and torch's bf16 flash kernel
+(SmolLM2's shape: 9 query heads over 3, D 64; Intel Xeon with AMX, 2 threads, best of 5;
+ms, S new tokens over E earlier keys): 64 over 0 0.037 against 0.029 and 0.087; 16 over
+512 0.080 / 0.075 / 0.205; 64 over 64 0.060 / 0.073 / 0.222; 128 over 0 0.061 / 0.085 /
+0.144; 512 over 0 0.47 / 0.96 / 1.07; 16 over 4,096 0.42-0.50 / 0.63 / 0.66-0.85; 128
+over 1,024 0.41 / 0.94 / 0.75; 2,048 over 0 5.1 / 14.1 / 9.9; 2,048 over 2,048 15.6 /
+43.9 / 22.5. So with AMX it replaces torch's flash kernel (``low_attend``) for bf16 KV."""
 
 
 def _amx_takes(new_tokens: int, earlier_tokens: int) -> bool:
