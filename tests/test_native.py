@@ -71,10 +71,11 @@ def test_norms_and_silu_mul_in_bf16_round_what_float32_gives() -> None:
     y = _ops().add_rms_norm(summed_low, low, w, 1e-6, True)
     want = _ops().add_rms_norm(summed_wide, wide, w, 1e-6)
     assert torch.equal(summed_low, summed_wide) and torch.equal(y, want.bfloat16())
-    gate_up = (torch.randn(7, 2 * 1536, generator=gen) * 4).bfloat16()
-    out = _ops().silu_mul(gate_up)
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, _ops().silu_mul(gate_up.float()).bfloat16())
+    for width in (1536, 150):  # 150: 4 steps of 32, then 22 (the scalar remainder)
+        gate_up = (torch.randn(7, 2 * width, generator=gen) * 4).bfloat16()
+        out = _ops().silu_mul(gate_up)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, _ops().silu_mul(gate_up.float()).bfloat16())
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

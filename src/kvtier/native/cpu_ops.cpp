@@ -576,11 +576,28 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   kvtier_pool::parallel_for_rows(n, 0, n, 4, [=](int64_t begin, int64_t end) {
-    std::vector<float> row(3 * width);  // gate, up, out
+    constexpr int64_t kStep = 2 * kLanes;  // round_bf16's vector width
+    std::vector<float> row(3 * kStep);      // a row's last partial step: gate, up, out
     for (int64_t i = begin; i < end; ++i) {
-      widen_bf16(gp + i * 2 * width, 2 * width, row.data());
-      silu_mul_row(row.data(), row.data() + width, row.data() + 2 * width, width);
-      round_bf16(row.data() + 2 * width, width, yp + i * width);
+      const uint16_t* gate = gp + i * 2 * width;
+      const uint16_t* up = gate + width;
+      uint16_t* dst = yp + i * width;
+      int64_t j = 0;
+      for (; j + kStep <= width; j += kStep) {  // widened in registers, 32 at a time
+        alignas(64) float out[kStep];
+        for (int64_t h = 0; h < kStep; h += kLanes) {
+          const vfloat g = load_kv(gate + j + h);
+          store(out + h, g / (1.f + exp_vec(-g)) * load_kv(up + j + h));
+        }
+        round_bf16(out, kStep, dst + j);
+      }
+      const int64_t rest = width - j;
+      if (rest > 0) {
+        widen_bf16(gate + j, rest, row.data());
+        widen_bf16(up + j, rest, row.data() + kStep);
+        silu_mul_row(row.data(), row.data() + kStep, row.data() + 2 * kStep, rest);
+        round_bf16(row.data() + 2 * kStep, rest, dst + j);
+      }
     }
   });
   return y;
