@@ -49,12 +49,12 @@ class EngineConfig:
             (Llama, Mistral, Qwen2, Qwen3) and transformers' modelling for the rest;
             ``kvtier`` requires kvtier's; ``transformers`` always uses transformers'.
         matmul_dtype: None: the projections multiply in the weights' dtype (greedy tokens
-            equal transformers'); ``bfloat16``: in bf16 on oneDNN or AMX, long prefill
-            passes' attention in bf16 on torch's flash kernel, and the KV cache (every
-            tier) in bf16, half the bytes a decode step reads (kvtier's own forward only;
-            float32 accumulation and residual stream): about twice the projections' rate
-            on a CPU with AVX-512 BF16, and tokens that drift from transformers' by a
-            measured amount (``kvtier bench peers --bf16``).
+            equal transformers'); ``bfloat16``: in bf16 on oneDNN or AMX, prefill
+            attention on AMX tiles (without AMX, long passes on torch's bf16 flash
+            kernel), and the KV cache (every tier) in bf16, half the bytes a decode step
+            reads (kvtier's own forward only; float32 accumulation and residual stream):
+            about twice the projections' rate on a CPU with AVX-512 BF16, and tokens that
+            drift from transformers' by a measured amount (``kvtier bench peers --bf16``).
     """
 
     max_queued: int = 64

@@ -65,11 +65,11 @@ class LlamaModel:
     Args:
         model: a loaded ``LlamaForCausalLM`` (or Mistral, Qwen2, Qwen3) in eval mode.
         matmul_dtype: None multiplies in the weights' dtype (exact against transformers);
-            ``bfloat16`` runs every projection in bf16 on oneDNN and long prefill passes'
-            attention on torch's bf16 flash kernel (float32 accumulation; the residual
-            stream stays in the model's dtype; the engine keeps the KV in bf16,
-            ``EngineConfig.matmul_dtype``): faster, and the tokens drift from
-            transformers' (``kvtier bench peers --bf16``).
+            ``bfloat16`` runs every projection in bf16 on oneDNN or AMX and long prefill
+            passes' attention in bf16: on kvtier's AMX kernel over the engine's bf16 KV
+            (``EngineConfig.matmul_dtype``), else on torch's bf16 flash kernel (float32
+            accumulation; the residual stream stays in the model's dtype): faster, and
+            the tokens drift from transformers' (``kvtier bench peers --bf16``).
 
     Raises:
         ValueError: the model does not have the shape (``supports`` says why not).

@@ -275,10 +275,14 @@ bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
   const int64_t groups = hq / hkv, old_len = k_old.size(1), pre = k_new.size(1) - len;
   const int64_t lpad_old = (old_len + kChunk - 1) / kChunk * kChunk + kChunk;
   const int64_t lpad_new = (pre + len + kChunk - 1) / kChunk * kChunk + kChunk;
-  std::vector<uint16_t> vt_old(old_len > 0 ? hkv * dim * lpad_old : 0);
-  std::vector<uint16_t> vt_new(hkv * dim * lpad_new);
-  if (old_len > 0) pack_vt(v_old, lpad_old, vt_old.data());
-  pack_vt(v_new, lpad_new, vt_new.data());
+  // V^T buffers, uninitialised: pack_vt writes every element, the pads included
+  const at::Tensor vt_old_buf = at::empty({old_len > 0 ? hkv * dim * lpad_old : 0},
+                                          v_old.options());
+  const at::Tensor vt_new_buf = at::empty({hkv * dim * lpad_new}, v_new.options());
+  auto* vt_old = reinterpret_cast<uint16_t*>(vt_old_buf.data_ptr<at::BFloat16>());
+  auto* vt_new = reinterpret_cast<uint16_t*>(vt_new_buf.data_ptr<at::BFloat16>());
+  if (old_len > 0) pack_vt(v_old, lpad_old, vt_old);
+  pack_vt(v_new, lpad_new, vt_new);
   const auto* kop = reinterpret_cast<const uint16_t*>(k_old.data_ptr<at::BFloat16>());
   const auto* knp = reinterpret_cast<const uint16_t*>(k_new.data_ptr<at::BFloat16>());
   const float* qp = query.data_ptr<float>();
@@ -339,12 +343,12 @@ bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
       }
       std::fill_n(scr.ot, groups * dim * kPos, 0.f);
       const Run runs[3] = {
-          {kop + h * k_old.stride(0), k_old.stride(1), vt_old.data() + h * dim * lpad_old,
+          {kop + h * k_old.stride(0), k_old.stride(1), vt_old + h * dim * lpad_old,
            lpad_old, old_len, false},
-          {knp + h * k_new.stride(0), k_new.stride(1), vt_new.data() + h * dim * lpad_new,
+          {knp + h * k_new.stride(0), k_new.stride(1), vt_new + h * dim * lpad_new,
            lpad_new, pre, false},
           {knp + h * k_new.stride(0) + pre * k_new.stride(1), k_new.stride(1),
-           vt_new.data() + h * dim * lpad_new + pre, lpad_new, p0 + np, true},
+           vt_new + h * dim * lpad_new + pre, lpad_new, p0 + np, true},
       };
       for (const Run& run : runs) {
         for (int64_t j0 = 0; j0 < run.len; j0 += kBlock) attend_block(scr, groups, dim, run, j0, p0);

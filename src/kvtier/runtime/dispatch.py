@@ -8,10 +8,10 @@ Each segment is attended with its log-sum-exp and the results are merged exactly
 (``kvtier.attention.merge``), so no pass concatenates the cache. Sliding-window layers mask
 every segment by its keys' absolute positions. A float32 CPU pass of one sequence whose
 whole KV (float32 or bf16) is resident and unpadded takes one fused call instead (kvtier's
-CPU kernel ``attend_prefill``: its earlier keys and its own keys, causally, no merge).
-kvtier's CPU
-kernels have no soft-cap: a capped layer never takes them (``attend_prefill``,
-``attend_slots`` on the host) but torch's path with the cap, which is exact. The functions
+CPU kernel ``attend_prefill``, or ``attend_prefill_amx`` for bf16 KV on a CPU with AMX: its
+earlier keys and its own keys, causally, no merge). kvtier's CPU kernels have no soft-cap:
+a capped layer never takes them (``attend_prefill``, ``attend_slots`` on the host) but
+torch's path with the cap, which is exact. The functions
 only read the views (and acquire/release the staging ring's pieces); they mutate no cache
 state.
 """
@@ -104,7 +104,7 @@ over 1,024 0.41 / 0.94 / 0.75; 2,048 over 0 5.1 / 14.1 / 9.9; 2,048 over 2,048 1
 
 
 def _amx_takes(new_tokens: int, earlier_tokens: int) -> bool:
-    return new_tokens * (earlier_tokens + new_tokens / 2) >= AMX_MIN_PAIRS and native.amx()
+    return low_attend.causal_pairs(new_tokens, earlier_tokens) >= AMX_MIN_PAIRS and native.amx()
 
 
 _FUSED_HEAD_DIMS = (64, 128)

@@ -46,11 +46,16 @@ def _flash_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
 _FLASH = _flash_kernel()
 
 
+def causal_pairs(new_tokens: int, earlier_tokens: int) -> float:
+    """The query-key pairs per head a causal pass of ``new_tokens`` over ``earlier_tokens``
+    earlier keys scores: ``S * (E + S / 2)``."""
+    return new_tokens * (earlier_tokens + new_tokens / 2)
+
+
 def takes(new_tokens: int, earlier_tokens: int) -> bool:
     """Whether a pass of ``new_tokens`` over ``earlier_tokens`` earlier keys is worth the
     bf16 kernel (``LOW_MIN_PAIRS``) and this torch has it."""
-    pairs = new_tokens * (earlier_tokens + new_tokens / 2)
-    return _FLASH is not None and pairs >= LOW_MIN_PAIRS
+    return _FLASH is not None and causal_pairs(new_tokens, earlier_tokens) >= LOW_MIN_PAIRS
 
 
 def attend_prefill_low(
