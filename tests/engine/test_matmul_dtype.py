@@ -97,6 +97,17 @@ def test_the_bf16_mode_keeps_the_kv_in_bf16_and_a_next_turn_reuses_it(tokenizer:
     assert len(two.token_ids) == 6 and all(abs(p.logprob) < 30 for p in two.logprobs)
 
 
+@pytest.mark.skipif(not ONEDNN, reason="needs torch's oneDNN")
+def test_a_float32_manager_is_refused_by_a_bf16_engine_in_one_line(tokenizer: Any) -> None:
+    """A shared manager must hold the engine's KV dtype: bf16 mode keeps bf16 chunks."""
+    model = tiny_model(tokenizer)
+    base = dataclasses.replace(engine_config(), runner="kvtier")
+    with Engine(model, tokenizer, base) as engine:
+        config = dataclasses.replace(base, matmul_dtype="bfloat16")
+        with pytest.raises(ValueError, match=r"KV dtype \(bfloat16 under EngineConfig"):
+            Engine(model, tokenizer, config, manager=engine.manager)
+
+
 def test_matmul_dtype_is_checked_in_one_line(tokenizer: Any) -> None:
     with pytest.raises(ValueError, match=r"matmul_dtype: unknown 'float16'; accepted"):
         EngineConfig(matmul_dtype="float16")

@@ -56,7 +56,7 @@ class ModelSpec:
             raise ValueError(
                 f"manager: its layout {manager.layout.fingerprint()} does not match the model's "
                 f"{self.layout.fingerprint()}; build the KVManager from this model's config "
-                "and dtype"
+                "and KV dtype (bfloat16 under EngineConfig(matmul_dtype='bfloat16'))"
             )
 
 
