@@ -189,7 +189,7 @@ def test_attend_prefill_sees_the_tails_earlier_keys_too(
     torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.skipif(not native.amx(), reason="this CPU (or build) has no AMX")
+@pytest.mark.skipif(not native.bf16_prefill(), reason="this CPU (or build) has no bf16 dots")
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "earlier", "tail", "new"),
     [
@@ -203,11 +203,12 @@ def test_attend_prefill_sees_the_tails_earlier_keys_too(
         (7, 1, 64, 17, 3, 2),  # a 2-token pass: 14 idle lanes
     ],
 )
-def test_attend_prefill_amx_is_attention_of_the_rounded_operands(
+def test_attend_prefill_bf16_is_attention_of_the_rounded_operands(
     heads: int, kv_heads: int, dim: int, earlier: int, tail: int, new: int
 ) -> None:
-    """bf16 K/V on AMX tiles: the queries (times the scale and log2(e): the softmax runs in
-    base 2) and the probabilities rounded to bf16, sums in float32; against float64
+    """bf16 K/V on AMX tiles or vdpbf16ps (whichever this CPU has): the queries (times the
+    scale and log2(e): the softmax runs in base 2) and the probabilities rounded to bf16,
+    sums in float32; against float64
     attention of the rounded queries, within the probabilities' rounding (2^-8 of each
     weight)."""
     torch.manual_seed(2)
@@ -215,7 +216,7 @@ def test_attend_prefill_amx_is_attention_of_the_rounded_operands(
     k_old, v_old = torch.randn(2, kv_heads, earlier, dim).bfloat16()
     k_new, v_new = torch.randn(2, kv_heads, tail + new, dim).bfloat16()
     out = torch.full((new, heads + 1, dim), 7.0)
-    assert _ops().attend_prefill_amx(q, k_old, v_old, k_new, v_new, out[:, :heads], dim**-0.5)
+    assert _ops().attend_prefill_bf16(q, k_old, v_old, k_new, v_new, out[:, :heads], dim**-0.5)
     mask = torch.ones(new, earlier + tail + new, dtype=torch.bool)
     mask[:, earlier + tail :] = torch.ones(new, new, dtype=torch.bool).tril()
     k, v = torch.cat([k_old, k_new], 1).double(), torch.cat([v_old, v_new], 1).double()
@@ -290,8 +291,8 @@ def test_bad_inputs_raise_a_clear_error() -> None:
             None,
             1.0,
         )
-    with pytest.raises(RuntimeError, match="attend_prefill_amx: K/V must be bfloat16"):
-        _ops().attend_prefill_amx(q, kv, kv, kv, kv, out, 1.0)
+    with pytest.raises(RuntimeError, match="attend_prefill_bf16: K/V must be bfloat16"):
+        _ops().attend_prefill_bf16(q, kv, kv, kv, kv, out, 1.0)
     q, kv, out = torch.zeros(2, 4, 32), torch.zeros(1, 4, 32), torch.zeros(4, 2, 32)
     with pytest.raises(RuntimeError, match="head dim 32 is not 64 or 128"):
         _ops().attend_prefill(q, kv, kv, kv, kv, out, 1.0)

@@ -122,17 +122,18 @@ def test_matmul_dtype_is_checked_in_one_line(tokenizer: Any) -> None:
 
 
 @pytest.mark.skipif(not ONEDNN or native.ops() is None, reason="needs oneDNN and kvtier's kernels")
-@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("dots", [True, False])
 def test_a_long_prompt_attends_in_bf16_and_stays_close_to_float32(
-    tokenizer: Any, monkeypatch: pytest.MonkeyPatch, amx: bool
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch, dots: bool
 ) -> None:
-    """A 1,100-token prompt on a head-dim-64 llama: in bf16 its passes take kvtier's AMX
-    kernel over the bf16 KV where the CPU has AMX, else torch's bf16 flash kernel (every
-    layer); in float32 kvtier's own; the first token's log-probability stays close."""
-    if amx and not native.amx():
-        pytest.skip("this CPU (or build) has no AMX")
-    if not amx:
-        monkeypatch.setattr(native, "amx", lambda: False)
+    """A 1,100-token prompt on a head-dim-64 llama: in bf16 its passes take kvtier's bf16
+    kernel over the bf16 KV where the CPU has bf16 dot products (AMX, AVX-512 BF16), else
+    torch's bf16 flash kernel (every layer); in float32 kvtier's own; the first token's
+    log-probability stays close."""
+    if dots and not native.bf16_prefill():
+        pytest.skip("this CPU (or build) has no bf16 dot products")
+    if not dots:
+        monkeypatch.setattr(native, "bf16_prefill", lambda: "")
     model = random_model("llama", seed=5, vocab_size=len(tokenizer), head_dim=64)
     passes: list[tuple[int, int]] = []
     real = low_attend.attend_prefill_low
@@ -153,8 +154,8 @@ def test_a_long_prompt_attends_in_bf16_and_stays_close_to_float32(
         )
         with Engine(model, tokenizer, config) as engine:
             runs.append(engine.submit(prompt, params).result())
-        assert len(passes) == (0 if low is None or amx else model.config.num_hidden_layers)
-    assert amx or passes[0] == (1100, 0)  # the whole prompt in one pass, over no earlier keys
+        assert len(passes) == (0 if low is None or dots else model.config.num_hidden_layers)
+    assert dots or passes[0] == (1100, 0)  # the whole prompt in one pass, over no earlier keys
     exact, rounded = (run.logprobs[0].logprob for run in runs)  # the prompt's next token
     assert abs(exact - rounded) < 0.05 and exact != rounded
 

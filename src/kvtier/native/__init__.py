@@ -42,7 +42,7 @@ _HERE = Path(__file__).parent
 SOURCES = (
     _HERE / "cpu_ops.cpp",
     _HERE / "attend_prefill.cpp",
-    _HERE / "attend_amx.cpp",
+    _HERE / "attend_bf16.cpp",
     _HERE / "codec_ops.cpp",
     _HERE / "linear_ops.cpp",
     _HERE / "pool.cpp",
@@ -111,19 +111,20 @@ def kv_ops(kv: torch.Tensor) -> Any | None:
     return ops() if kv.is_cpu and kv.dtype in KV_DTYPES else None
 
 
-def amx() -> bool:
-    """Whether the kernels run bf16 attention on AMX tiles here (``attend_amx.cpp``: built
-    for a CPU with AMX, and Linux grants the tile state)."""
-    global _amx
+def bf16_prefill() -> str:
+    """What ``attend_prefill_bf16`` (``attend_bf16.cpp``) multiplies bf16 attention on
+    here: ``"amx"`` (built for a CPU with AMX, and Linux grants the tile state),
+    ``"avx512_bf16"`` (vdpbf16ps), or ``""`` (neither: the op does not run)."""
+    global _bf16_prefill
     kernels = ops()
     if kernels is None:
-        return False
-    if _amx is None:
-        _amx = bool(kernels.has_amx())
-    return _amx
+        return ""
+    if _bf16_prefill is None:
+        _bf16_prefill = str(kernels.bf16_prefill())
+    return _bf16_prefill
 
 
-_amx: bool | None = None
+_bf16_prefill: str | None = None
 
 
 def status() -> NativeStatus:

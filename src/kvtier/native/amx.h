@@ -1,4 +1,4 @@
-// AMX helpers shared by kvtier's CPU operators (linear_ops.cpp, attend_amx.cpp): the tile
+// AMX helpers shared by kvtier's CPU operators (linear_ops.cpp, attend_bf16.cpp): the tile
 // configuration record and Linux's permission. Compiled only where the compiler targets
 // AMX (-march=native on a CPU with AMX-TILE and AMX-BF16); callers check kvtier_amx::kBuilt.
 #pragma once

@@ -21,11 +21,13 @@ void decode_attend(const at::Tensor& slab, int64_t layer, const at::Tensor& seat
 void check_prefill(const at::Tensor& query, const at::Tensor& k_old, const at::Tensor& v_old,
                    const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out);
 
-// attend_prefill's contract for bf16 K/V on AMX tiles (attend_amx.cpp); false (nothing
-// written) where the CPU or the build has no AMX, or the head dim is not a multiple of 32.
-bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
-                        const at::Tensor& v_old, const at::Tensor& k_new,
-                        const at::Tensor& v_new, const at::Tensor& out, double scale);
+// attend_prefill's contract for bf16 K/V on bf16 dot products (attend_bf16.cpp): AMX tiles,
+// else AVX-512 BF16; false (nothing written) where the build has neither, or the head dim
+// is not a multiple of 32. bf16_prefill_units: "amx", "avx512_bf16" or "".
+bool attend_prefill_bf16(const at::Tensor& query, const at::Tensor& k_old,
+                         const at::Tensor& v_old, const at::Tensor& k_new,
+                         const at::Tensor& v_new, const at::Tensor& out, double scale);
+const char* bf16_prefill_units();
 
 void attend_slots(const at::Tensor& pool, int64_t layer, const at::Tensor& slots,
                   const at::Tensor& query, const at::Tensor& out, const at::Tensor& lse,

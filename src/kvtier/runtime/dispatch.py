@@ -8,7 +8,8 @@ Each segment is attended with its log-sum-exp and the results are merged exactly
 (``kvtier.attention.merge``), so no pass concatenates the cache. Sliding-window layers mask
 every segment by its keys' absolute positions. A float32 CPU pass of one sequence whose
 whole KV (float32 or bf16) is resident and unpadded takes one fused call instead (kvtier's
-CPU kernel ``attend_prefill``, or ``attend_prefill_amx`` for bf16 KV on a CPU with AMX: its
+CPU kernel ``attend_prefill``, or ``attend_prefill_bf16`` for bf16 KV on a CPU with bf16 dot
+products (AMX, AVX-512 BF16): its
 earlier keys and its own keys, causally, no merge). kvtier's CPU kernels have no soft-cap:
 a capped layer never takes them (``attend_prefill``, ``attend_slots`` on the host) but
 torch's path with the cap, which is exact. The functions
@@ -76,8 +77,8 @@ def attend_packed(
             rows = out[0, start : start + length]
             ops, k_old, v_old, k_new, v_new = fused
             earlier = k_old.shape[1] + k_new.shape[1] - length  # k_new may lead with some
-            if k_new.dtype == torch.bfloat16 and _amx_takes(length, earlier):
-                ops.attend_prefill_amx(span[0], k_old, v_old, k_new, v_new, rows, scale)
+            if k_new.dtype == torch.bfloat16 and _bf16_takes(length, earlier):
+                ops.attend_prefill_bf16(span[0], k_old, v_old, k_new, v_new, rows, scale)
             elif low is not None and low_attend.takes(length, earlier):
                 low_attend.attend_prefill_low(span[0], k_old, v_old, k_new, v_new, rows, scale, low)
             else:
@@ -90,21 +91,30 @@ def attend_packed(
     return out
 
 
-AMX_MIN_PAIRS = 1 << 13
+BF16_MIN_PAIRS = {"amx": 1 << 13, "avx512_bf16": 1 << 9}
 """A pass over bf16 KV (kvtier's bf16 mode) with at least this many causal query-key pairs
-per head, ``S * (E + S / 2)``, takes ``attend_prefill_amx`` where the CPU has AMX: both
-matmuls on AMX tiles, the softmax in base 2, queries and probabilities rounded to bf16.
+per head, ``S * (E + S / 2)``, takes ``attend_prefill_bf16`` where the CPU has bf16 dot
+products (``native.bf16_prefill()``: AMX tiles, or AVX-512 BF16's vdpbf16ps): both
+matmuls on them, the softmax in base 2, queries and probabilities rounded to bf16.
 Measured against ``attend_prefill`` on the same bf16 KV and torch's bf16 flash kernel
-(SmolLM2's shape: 9 query heads over 3, D 64; Intel Xeon with AMX, 2 threads, best of 5;
-ms, S new tokens over E earlier keys): 64 over 0 0.037 against 0.029 and 0.087; 16 over
+(SmolLM2's shape: 9 query heads over 3, D 64; 2 threads, best of 5; ms, S new tokens over
+E earlier keys). AMX (Intel Xeon): 64 over 0 0.037 against 0.029 and 0.087; 16 over
 512 0.080 / 0.075 / 0.205; 64 over 64 0.060 / 0.073 / 0.222; 128 over 0 0.061 / 0.085 /
 0.144; 512 over 0 0.47 / 0.96 / 1.07; 16 over 4,096 0.42-0.50 / 0.63 / 0.66-0.85; 128
 over 1,024 0.41 / 0.94 / 0.75; 2,048 over 0 5.1 / 14.1 / 9.9; 2,048 over 2,048 15.6 /
-43.9 / 22.5. So with AMX it replaces torch's flash kernel (``low_attend``) for bf16 KV."""
+43.9 / 22.5. vdpbf16ps (AMD EPYC Zen 4): 2 over 0 0.010 against 0.007 and 0.065; 16
+over 0 0.014 / 0.011 / 0.077; 32 over 0 0.020 / 0.020 / 0.098; 2 over 64 0.024 / 0.025 /
+0.178; 64 over 0 0.042 / 0.050 / 0.306; 16 over 512 0.20 / 0.23 / 0.51; 512 over 0 1.76 /
+3.45 / 8.31; 16 over 4,096 1.09 / 1.70 / 2.61; 128 over 1,024 1.77 / 3.45 / 4.86; 2,048
+over 0 14.4 / 28.6 / 43.6; 2,048 over 2,048 40.6 / 83.9 / 105.7 (torch's flash kernel
+there loses to the float32 kernel too; it wins only at 2 over 4,096: 0.54 against 0.72
+/ 1.11). So it replaces torch's flash kernel (``low_attend``) for bf16 KV."""
 
 
-def _amx_takes(new_tokens: int, earlier_tokens: int) -> bool:
-    return low_attend.causal_pairs(new_tokens, earlier_tokens) >= AMX_MIN_PAIRS and native.amx()
+def _bf16_takes(new_tokens: int, earlier_tokens: int) -> bool:
+    units = native.bf16_prefill()
+    pairs = low_attend.causal_pairs(new_tokens, earlier_tokens)
+    return bool(units) and pairs >= BF16_MIN_PAIRS[units]
 
 
 _FUSED_HEAD_DIMS = (64, 128)

@@ -1,5 +1,7 @@
-// attend_prefill_amx: attend_prefill's contract (attend_prefill.cpp) for bf16 K/V, with
-// both matmuls on AMX tiles (tdpbf16ps, float32 accumulation). kvtier's bf16 mode.
+// attend_prefill_bf16: attend_prefill's contract (attend_prefill.cpp) for bf16 K/V, with
+// both matmuls on the CPU's bf16 dot products (float32 accumulation): AMX tiles
+// (tdpbf16ps) where the CPU has AMX and Linux grants it, else AVX-512 BF16's vdpbf16ps
+// (AMD Zen 4, for one). kvtier's bf16 mode.
 //
 // A work item is (KV head, 16 positions): the positions are a tile's 16 columns and, as in
 // attend_prefill, the 16 lanes of every softmax vector (no horizontal reductions). Per item
@@ -15,12 +17,19 @@
 //           and are rescaled there by the block's alpha
 //
 // The queries are rounded to bf16 (the scale and log2(e) applied first: the softmax runs in
-// base 2), as torch's bf16 flash attention rounds them; scores, softmax and sums are float32. Tiles: every one 16 rows of
-// 64 bytes; 0-3 accumulators, 4 the B operand, 5 and 6 the A operand (alternating). Each thread loads its tile
-// configuration and releases the tiles when its items are done.
+// base 2), as torch's bf16 flash attention rounds them; scores, softmax and sums are
+// float32. AMX tiles: every one 16 rows of 64 bytes; 0-3 accumulators, 4 the B operand, 5
+// and 6 the A operand (alternating). Each thread loads its tile configuration and releases
+// the tiles when its items are done.
+//
+// Without AMX the same packed operands feed vdpbf16ps: the B side (queries, probabilities)
+// as vectors of 16 positions, one pair of d (of keys) in each lane, and the A side (K rows,
+// V^T rows) one pair broadcast at a time. Scores in tiles of up to 3 heads x 8 keys (24
+// accumulators; per pair of d: 3 query loads, 8 broadcasts, 24 dot products), O^T in
+// tiles of up to 3 heads x 8 d (per pair of keys: 3 probability loads, 8 broadcasts).
 //
 // Measured against attend_prefill on the same bf16 KV and torch's bf16 flash kernel:
-// runtime/dispatch.py (AMX_MIN_PAIRS).
+// runtime/dispatch.py (BF16_MIN_PAIRS).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "amx.h"
@@ -39,7 +49,7 @@
 
 namespace kvtier_ops {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef __AVX512BF16__
 namespace {
 
 using namespace kvtier_vec;
@@ -75,9 +85,8 @@ inline vfloat exp2_low(vfloat t) {
 }
 
 // dst[p] = bf16(even[p]) | bf16(odd[p]) << 16 for the 16 lanes (to nearest even): one
-// vcvtne2ps2bf16 and one word permute where the CPU has AVX-512 BF16.
+// vcvtne2ps2bf16 and one word permute.
 inline void store_pairs(vfloat even, vfloat odd, uint32_t* dst) {
-#ifdef __AVX512BF16__
   alignas(64) static constexpr uint16_t kInterleave[32] = {
       0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -86,12 +95,10 @@ inline void store_pairs(vfloat even, vfloat odd, uint32_t* dst) {
   const __m512i words = _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave),
                                                  reinterpret_cast<const __m512i&>(both));
   _mm512_storeu_si512(dst, words);
-#else
-  const vuint word = round_lanes(even) | (round_lanes(odd) << 16);
-  std::memcpy(dst, &word, sizeof word);
-#endif
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool kAmxBuilt = true;
 // A into tile 5 + t % 2 (alternating, so a load need not wait for the product before it
 // to release its tile), then C tile t (0-3) += that A x B tile 4.
 inline void load_a_dp(int t, const void* a, int64_t stride) {
@@ -130,6 +137,63 @@ inline void zero_c(int t) {
   }
 }
 
+#else
+constexpr bool kAmxBuilt = false;
+#endif
+
+// vdpbf16ps tiles (no AMX). Scores of RG heads x 8 keys: qp the first head's packed
+// queries ([RG][dpairs][16], pairs of d per lane), k 8 key rows (stride ks), into
+// s[g * kBlock + n][16].
+template <int RG>
+inline void dp_score_tile(const uint32_t* qp, int64_t dpairs, const uint16_t* k, int64_t ks,
+                          float* s) {
+  constexpr int NK = 8;
+  vfloat acc[RG][NK] = {};
+  for (int64_t e = 0; e < dpairs; ++e) {
+    vuint q[RG];
+    for (int g = 0; g < RG; ++g) q[g] = load_pairs(qp + (g * dpairs + e) * kPos);
+    for (int n = 0; n < NK; ++n) {
+      uint32_t word;
+      std::memcpy(&word, k + n * ks + 2 * e, sizeof word);
+      const __m512bh kb = splat_pair_bits(word);
+      for (int g = 0; g < RG; ++g) acc[g][n] = dot_pairs(acc[g][n], q[g], kb);
+    }
+  }
+  for (int g = 0; g < RG; ++g) {
+    for (int n = 0; n < NK; ++n) store(s + (g * kBlock + n) * kPos, acc[g][n]);
+  }
+}
+
+// O^T of RG heads x 8 d += V^T P^T over `pairs` pairs of keys: pp the first head's
+// probabilities ([RG][kBlock / 2][16]), vt the 8 rows of V^T (stride lpad; the block's
+// first key first), ot the first head's accumulators ([RG][dim][16], rows d).
+template <int RG>
+inline void dp_pv_tile(const uint32_t* pp, int64_t pairs, const uint16_t* vt, int64_t lpad,
+                       float* ot, int64_t dim) {
+  constexpr int ND = 8;
+  vfloat acc[RG][ND];
+  for (int g = 0; g < RG; ++g) {
+    for (int d = 0; d < ND; ++d) acc[g][d] = load(ot + (g * dim + d) * kPos);
+  }
+  for (int64_t q = 0; q < pairs; ++q) {
+    vuint p[RG];
+    for (int g = 0; g < RG; ++g) p[g] = load_pairs(pp + (g * (kBlock / 2) + q) * kPos);
+    for (int d = 0; d < ND; ++d) {
+      uint32_t word;
+      std::memcpy(&word, vt + d * lpad + 2 * q, sizeof word);
+      const __m512bh vb = splat_pair_bits(word);
+      for (int g = 0; g < RG; ++g) acc[g][d] = dot_pairs(acc[g][d], p[g], vb);
+    }
+  }
+  for (int g = 0; g < RG; ++g) {
+    for (int d = 0; d < ND; ++d) store(ot + (g * dim + d) * kPos, acc[g][d]);
+  }
+}
+
+constexpr int64_t kDpKeys = 8;  // keys per vdpbf16ps score tile
+constexpr int64_t kDpDims = 8;  // d per vdpbf16ps P.V tile
+constexpr int kDpHeads = 3;     // heads per vdpbf16ps tile
+
 // One run of keys an item attends: rows k[0 .. len) (row stride ks), their values in the
 // packed V^T (vt[d * lpad + j]); own: the pass's own keys (key j visible to lane i iff
 // j <= p0 + i), else all visible.
@@ -153,38 +217,108 @@ struct Scratch {
   uint16_t* kpad;   // [16][D]: a run's last, partial tile of keys, zero-padded
 };
 
+// S^T of the block's nk keys (kb, row stride ks; the partial last tile from sc.kpad) for
+// every head: sc.s. On AMX tiles of 16 keys, else vdpbf16ps tiles of 8.
+template <bool kAmx>
+void block_scores(const Scratch& sc, int64_t groups, int64_t dim, const uint16_t* kb,
+                  int64_t ks, int64_t nk) {
+  if constexpr (kAmx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int64_t tiles = (nk + kTileKeys - 1) / kTileKeys, chunks = dim / kChunk;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+        const int cnt = static_cast<int>(std::min<int64_t>(4, tiles - t0));
+        for (int t = 0; t < cnt; ++t) zero_c(t);
+        for (int64_t c = 0; c < chunks; ++c) {
+          _tile_loadd(4, sc.qp + (g * chunks + c) * kTileKeys * kPos, 64);
+          for (int t = 0; t < cnt; ++t) {
+            const int64_t row = (t0 + t) * kTileKeys;
+            if (row + kTileKeys <= nk) {
+              load_a_dp(t, kb + row * ks + c * kChunk, ks * sizeof(uint16_t));
+            } else {
+              load_a_dp(t, sc.kpad + c * kChunk, dim * sizeof(uint16_t));
+            }
+          }
+        }
+        for (int t = 0; t < cnt; ++t) {
+          store_c(t, sc.s + (g * kBlock + (t0 + t) * kTileKeys) * kPos);
+        }
+      }
+    }
+#endif
+  } else {
+    const int64_t dpairs = dim / 2, full = nk - nk % kDpKeys;
+    for (int64_t j = 0; j < nk; j += kDpKeys) {
+      const uint16_t* kj = j < full ? kb + j * ks : sc.kpad;
+      const int64_t stride = j < full ? ks : dim;
+      for (int64_t g = 0; g < groups; g += kDpHeads) {
+        const uint32_t* qp = sc.qp + g * dpairs * kPos;
+        float* s = sc.s + (g * kBlock + j) * kPos;
+        switch (std::min<int64_t>(kDpHeads, groups - g)) {
+          case 3: dp_score_tile<3>(qp, dpairs, kj, stride, s); break;
+          case 2: dp_score_tile<2>(qp, dpairs, kj, stride, s); break;
+          default: dp_score_tile<1>(qp, dpairs, kj, stride, s); break;
+        }
+      }
+    }
+  }
+}
+
+// O^T += V^T P^T over the block's `pairs` pairs of keys (vb: V^T at the block's first key,
+// row stride lpad), every head.
+template <bool kAmx>
+void block_pv(const Scratch& sc, int64_t groups, int64_t dim, const uint16_t* vb, int64_t lpad,
+              int64_t pairs) {
+  if constexpr (kAmx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int64_t dtiles = dim / kTileKeys, kchunks = pairs / (kChunk / 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      float* ot = sc.ot + g * dim * kPos;
+      const uint32_t* pp = sc.pp + g * (kBlock / 2) * kPos;
+      for (int64_t t0 = 0; t0 < dtiles; t0 += 4) {
+        const int cnt = static_cast<int>(std::min<int64_t>(4, dtiles - t0));
+        for (int t = 0; t < cnt; ++t) load_c(t, ot + (t0 + t) * kTileKeys * kPos);
+        for (int64_t kc = 0; kc < kchunks; ++kc) {
+          _tile_loadd(4, pp + kc * (kChunk / 2) * kPos, 64);
+          for (int t = 0; t < cnt; ++t) {
+            load_a_dp(t, vb + (t0 + t) * kTileKeys * lpad + kc * kChunk, lpad * sizeof(uint16_t));
+          }
+        }
+        for (int t = 0; t < cnt; ++t) store_c(t, ot + (t0 + t) * kTileKeys * kPos);
+      }
+    }
+#endif
+  } else {
+    for (int64_t g = 0; g < groups; g += kDpHeads) {
+      const uint32_t* pp = sc.pp + g * (kBlock / 2) * kPos;
+      for (int64_t d = 0; d < dim; d += kDpDims) {
+        float* ot = sc.ot + (g * dim + d) * kPos;
+        const uint16_t* vt = vb + d * lpad;
+        switch (std::min<int64_t>(kDpHeads, groups - g)) {
+          case 3: dp_pv_tile<3>(pp, pairs, vt, lpad, ot, dim); break;
+          case 2: dp_pv_tile<2>(pp, pairs, vt, lpad, ot, dim); break;
+          default: dp_pv_tile<1>(pp, pairs, vt, lpad, ot, dim); break;
+        }
+      }
+    }
+  }
+}
+
+template <bool kAmx>
 void attend_block(const Scratch& sc, int64_t groups, int64_t dim, const Run& run, int64_t j0,
                   int64_t p0) {
   const int64_t nk = std::min(kBlock, run.len - j0);
-  const int64_t tiles = (nk + kTileKeys - 1) / kTileKeys;
-  const int64_t chunks = dim / kChunk;
+  const int64_t tile_keys = kAmx ? kTileKeys : kDpKeys;
   const uint16_t* kb = run.k + j0 * run.ks;
-  if (nk % kTileKeys != 0) {  // the last tile's rows past the run: zeros, not the next keys
-    const int64_t full = nk - nk % kTileKeys;
-    std::memset(sc.kpad, 0, kTileKeys * dim * sizeof(uint16_t));
+  if (nk % tile_keys != 0) {  // the last tile's rows past the run: zeros, not the next keys
+    const int64_t full = nk - nk % tile_keys;
+    std::memset(sc.kpad, 0, tile_keys * dim * sizeof(uint16_t));
     for (int64_t j = full; j < nk; ++j) {
       std::memcpy(sc.kpad + (j - full) * dim, kb + j * run.ks, dim * sizeof(uint16_t));
     }
   }
   // 1. scores, every query head of the group
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-      const int cnt = static_cast<int>(std::min<int64_t>(4, tiles - t0));
-      for (int t = 0; t < cnt; ++t) zero_c(t);
-      for (int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(4, sc.qp + (g * chunks + c) * kTileKeys * kPos, 64);
-        for (int t = 0; t < cnt; ++t) {
-          const int64_t row = (t0 + t) * kTileKeys;
-          if (row + kTileKeys <= nk) {
-            load_a_dp(t, kb + row * run.ks + c * kChunk, run.ks * sizeof(uint16_t));
-          } else {
-            load_a_dp(t, sc.kpad + c * kChunk, dim * sizeof(uint16_t));
-          }
-        }
-      }
-      for (int t = 0; t < cnt; ++t) store_c(t, sc.s + (g * kBlock + (t0 + t) * kTileKeys) * kPos);
-    }
-  }
+  block_scores<kAmx>(sc, groups, dim, kb, run.ks, nk);
   // 2. online softmax per lane; probabilities as pairs of keys, zero past the block
   const int64_t pairs = (nk + kChunk - 1) / kChunk * (kChunk / 2);
   const bool masked = run.own && j0 + nk - 1 > p0;
@@ -225,25 +359,8 @@ void attend_block(const Scratch& sc, int64_t groups, int64_t dim, const Run& run
     float* ot = sc.ot + g * dim * kPos;
     for (int64_t d = 0; d < dim; ++d) store(ot + d * kPos, load(ot + d * kPos) * alpha);
   }
-  // 3. O^T += V^T P^T, 4 tiles of 16 d at a time
-  const int64_t dtiles = dim / kTileKeys, kchunks = pairs / (kChunk / 2);
-  const uint16_t* vb = run.vt + j0;
-  for (int64_t g = 0; g < groups; ++g) {
-    float* ot = sc.ot + g * dim * kPos;
-    const uint32_t* pp = sc.pp + g * (kBlock / 2) * kPos;
-    for (int64_t t0 = 0; t0 < dtiles; t0 += 4) {
-      const int cnt = static_cast<int>(std::min<int64_t>(4, dtiles - t0));
-      for (int t = 0; t < cnt; ++t) load_c(t, ot + (t0 + t) * kTileKeys * kPos);
-      for (int64_t kc = 0; kc < kchunks; ++kc) {
-        _tile_loadd(4, pp + kc * (kChunk / 2) * kPos, 64);
-        for (int t = 0; t < cnt; ++t) {
-          load_a_dp(t, vb + (t0 + t) * kTileKeys * run.lpad + kc * kChunk,
-                    run.lpad * sizeof(uint16_t));
-        }
-      }
-      for (int t = 0; t < cnt; ++t) store_c(t, ot + (t0 + t) * kTileKeys * kPos);
-    }
-  }
+  // 3. O^T += V^T P^T
+  block_pv<kAmx>(sc, groups, dim, run.vt + j0, run.lpad, pairs);
 }
 
 // vt [Hkv][D][lpad] = V^T of v [Hkv, len, D] (bf16 bits; zeros past len).
@@ -264,13 +381,11 @@ void pack_vt(const at::Tensor& v, int64_t lpad, uint16_t* vt) {
   });
 }
 
-}  // namespace
-
-bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
-                        const at::Tensor& v_old, const at::Tensor& k_new,
-                        const at::Tensor& v_new, const at::Tensor& out, double scale) {
+template <bool kAmx>
+void attend_items(const at::Tensor& query, const at::Tensor& k_old, const at::Tensor& v_old,
+                  const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& out,
+                  double scale) {
   const int64_t dim = query.size(2);
-  if (dim % kChunk != 0 || !kvtier_amx::granted()) return false;
   const int64_t hq = query.size(0), len = query.size(1), hkv = k_new.size(0);
   const int64_t groups = hq / hkv, old_len = k_old.size(1), pre = k_new.size(1) - len;
   const int64_t lpad_old = (old_len + kChunk - 1) / kChunk * kChunk + kChunk;
@@ -309,10 +424,12 @@ bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
     scr.kpad = reinterpret_cast<uint16_t*>(scr.l + groups);
     bool configured = false;
     for (int64_t item = next++; item < items; item = next++) {
-      if (!configured) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (kAmx && !configured) {
         kvtier_amx::configure_full();
         configured = true;
       }
+#endif
       const int64_t block = blocks - 1 - item / hkv, h = item % hkv;  // longest first
       const int64_t p0 = block * kPos, np = std::min(kPos, len - p0);
       // queries: qp[g][c][k2][p] = the pair (2 k2, 2 k2 + 1) of chunk c of position p
@@ -351,7 +468,9 @@ bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
            vt_new + h * dim * lpad_new + pre, lpad_new, p0 + np, true},
       };
       for (const Run& run : runs) {
-        for (int64_t j0 = 0; j0 < run.len; j0 += kBlock) attend_block(scr, groups, dim, run, j0, p0);
+        for (int64_t j0 = 0; j0 < run.len; j0 += kBlock) {
+          attend_block<kAmx>(scr, groups, dim, run, j0, p0);
+        }
       }
       for (int64_t g = 0; g < groups; ++g) {
         const float* ot = scr.ot + g * dim * kPos;
@@ -362,13 +481,34 @@ bool attend_prefill_amx(const at::Tensor& query, const at::Tensor& k_old,
         }
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (configured) _tile_release();
+#endif
   });
+}
+
+}  // namespace
+
+const char* bf16_prefill_units() {
+  return kAmxBuilt && kvtier_amx::granted() ? "amx" : "avx512_bf16";
+}
+
+bool attend_prefill_bf16(const at::Tensor& query, const at::Tensor& k_old,
+                         const at::Tensor& v_old, const at::Tensor& k_new,
+                         const at::Tensor& v_new, const at::Tensor& out, double scale) {
+  if (query.size(2) % kChunk != 0) return false;
+  if (kAmxBuilt && kvtier_amx::granted()) {
+    attend_items<true>(query, k_old, v_old, k_new, v_new, out, scale);
+  } else {
+    attend_items<false>(query, k_old, v_old, k_new, v_new, out, scale);
+  }
   return true;
 }
 #else
-bool attend_prefill_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+const char* bf16_prefill_units() { return ""; }
+
+bool attend_prefill_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
   return false;
 }
 #endif
@@ -377,26 +517,26 @@ bool attend_prefill_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 
 namespace {
 
-// The op: attend_prefill's checks, then the AMX kernel; whether it ran.
-bool attend_prefill_amx_op(const at::Tensor& query, const at::Tensor& k_old,
+// The op: attend_prefill's checks, then the kernel; whether it ran.
+bool attend_prefill_bf16_op(const at::Tensor& query, const at::Tensor& k_old,
                            const at::Tensor& v_old, const at::Tensor& k_new,
                            const at::Tensor& v_new, const at::Tensor& out, double scale) {
   kvtier_ops::check_prefill(query, k_old, v_old, k_new, v_new, out);
-  TORCH_CHECK(k_new.scalar_type() == at::kBFloat16, "attend_prefill_amx: K/V must be bfloat16");
+  TORCH_CHECK(k_new.scalar_type() == at::kBFloat16, "attend_prefill_bf16: K/V must be bfloat16");
   if (query.size(1) == 0) return true;
-  return kvtier_ops::attend_prefill_amx(query, k_old, v_old, k_new, v_new, out, scale);
+  return kvtier_ops::attend_prefill_bf16(query, k_old, v_old, k_new, v_new, out, scale);
 }
 
-// Whether the AMX kernels run here (built for AMX, and Linux grants the tile state).
-bool has_amx() { return kvtier_amx::kBuilt && kvtier_amx::granted(); }
+// What attend_prefill_bf16 multiplies on here: "amx", "avx512_bf16", or "" (it does not run).
+std::string bf16_prefill() { return kvtier_ops::bf16_prefill_units(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtier_cpu, m) {
   m.def(
-      "attend_prefill_amx(Tensor query, Tensor k_old, Tensor v_old, Tensor k_new, "
+      "attend_prefill_bf16(Tensor query, Tensor k_old, Tensor v_old, Tensor k_new, "
       "Tensor v_new, Tensor(a!) out, float scale) -> bool");
-  m.def("has_amx() -> bool", &has_amx);
+  m.def("bf16_prefill() -> str", &bf16_prefill);
 }
 
-TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) { m.impl("attend_prefill_amx", &attend_prefill_amx_op); }
+TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) { m.impl("attend_prefill_bf16", &attend_prefill_bf16_op); }
