@@ -92,6 +92,11 @@ void attend_block_fixed(const float* q, const T* k, const T* v, int64_t len,
     for (int64_t t = 0; t < kLanes; ++t) {  // the next 16 keys, a cache line at a time
       const char* next = reinterpret_cast<const char*>(k + (j + kLanes + t) * D);
       for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) prefetch(next + b);
+      // and these 16 keys' values into L2, for P.V after the softmax
+      const char* vals = reinterpret_cast<const char*>(v + (j + t) * D);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(vals + b, 0, 1);
+      }
     }
     const float* keys = nullptr;  // the 16 keys as float32
     alignas(64) float wide[std::is_same_v<T, float> ? 1 : kLanes * D];
