@@ -208,9 +208,8 @@ def test_attend_prefill_bf16_is_attention_of_the_rounded_operands(
 ) -> None:
     """bf16 K/V on AMX tiles or vdpbf16ps (whichever this CPU has): the queries (times the
     scale and log2(e): the softmax runs in base 2) and the probabilities rounded to bf16,
-    sums in float32; against float64
-    attention of the rounded queries, within the probabilities' rounding (2^-8 of each
-    weight)."""
+    sums in float32; against float64 attention of the rounded queries, within the
+    probabilities' rounding (2^-8 of each weight)."""
     torch.manual_seed(2)
     q = torch.randn(new, heads + 1, dim)[:, :heads].transpose(0, 1)  # strided, as the runner's
     k_old, v_old = torch.randn(2, kv_heads, earlier, dim).bfloat16()

@@ -98,7 +98,6 @@ inline void store_pairs(vfloat even, vfloat odd, uint32_t* dst) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-constexpr bool kAmxBuilt = true;
 // A into tile 5 + t % 2 (alternating, so a load need not wait for the product before it
 // to release its tile), then C tile t (0-3) += that A x B tile 4.
 inline void load_a_dp(int t, const void* a, int64_t stride) {
@@ -137,9 +136,10 @@ inline void zero_c(int t) {
   }
 }
 
-#else
-constexpr bool kAmxBuilt = false;
 #endif
+
+// Whether the AMX path runs here: built for AMX (amx.h), and Linux grants the tile state.
+inline bool amx_runs() { return kvtier_amx::kBuilt && kvtier_amx::granted(); }
 
 // vdpbf16ps tiles (no AMX). Scores of RG heads x 8 keys: qp the first head's packed
 // queries ([RG][dpairs][16], pairs of d per lane), k 8 key rows (stride ks), into
@@ -489,15 +489,13 @@ void attend_items(const at::Tensor& query, const at::Tensor& k_old, const at::Te
 
 }  // namespace
 
-const char* bf16_prefill_units() {
-  return kAmxBuilt && kvtier_amx::granted() ? "amx" : "avx512_bf16";
-}
+const char* bf16_prefill_units() { return amx_runs() ? "amx" : "avx512_bf16"; }
 
 bool attend_prefill_bf16(const at::Tensor& query, const at::Tensor& k_old,
                          const at::Tensor& v_old, const at::Tensor& k_new,
                          const at::Tensor& v_new, const at::Tensor& out, double scale) {
   if (query.size(2) % kChunk != 0) return false;
-  if (kAmxBuilt && kvtier_amx::granted()) {
+  if (amx_runs()) {
     attend_items<true>(query, k_old, v_old, k_new, v_new, out, scale);
   } else {
     attend_items<false>(query, k_old, v_old, k_new, v_new, out, scale);

@@ -88,15 +88,14 @@ void attend_block_fixed(const float* q, const T* k, const T* v, int64_t len,
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + g * D + c * kLanes) * scale;
   }
   int64_t j = 0;
+  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
   for (; j + kLanes <= len; j += kLanes) {  // 16 keys: their scores summed together
     for (int64_t t = 0; t < kLanes; ++t) {  // the next 16 keys, a cache line at a time
       const char* next = reinterpret_cast<const char*>(k + (j + kLanes + t) * D);
-      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) prefetch(next + b);
+      for (int64_t b = 0; b < kRowBytes; b += 64) prefetch(next + b);
       // and these 16 keys' values into L2, for P.V after the softmax
       const char* vals = reinterpret_cast<const char*>(v + (j + t) * D);
-      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
-        __builtin_prefetch(vals + b, 0, 1);
-      }
+      for (int64_t b = 0; b < kRowBytes; b += 64) prefetch_l2(vals + b);
     }
     const float* keys = nullptr;  // the 16 keys as float32
     alignas(64) float wide[std::is_same_v<T, float> ? 1 : kLanes * D];
@@ -137,7 +136,7 @@ void attend_block_fixed(const float* q, const T* k, const T* v, int64_t len,
     vfloat vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load_kv(v + j * D + c * kLanes);
     const char* next = reinterpret_cast<const char*>(v + (j + kLanes) * D);
-    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) prefetch(next + b);
+    for (int64_t b = 0; b < kRowBytes; b += 64) prefetch(next + b);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * kBlockTokens + j];
       for (int c = 0; c < C; ++c) o[g][c] += p * vr[c];

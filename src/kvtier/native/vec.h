@@ -82,6 +82,10 @@ inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 // end of its array (a prefetch never faults).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
+// The same into L2 only (prefetcht2): for data read a little later, kept out of the L1
+// that the current loop's operands are in.
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
+
 // bfloat16 pairs (the projections' bf16 panels): a 32-bit word holds two bf16 patterns, the
 // lower half the even k. fma_pairs (two FMAs, any ISA) and dot_pairs (one vdpbf16ps, where
 // the CPU has AVX-512 BF16; it also flushes denormals to zero) add to each lane l: x_odd *

@@ -8,11 +8,10 @@ Each segment is attended with its log-sum-exp and the results are merged exactly
 (``kvtier.attention.merge``), so no pass concatenates the cache. Sliding-window layers mask
 every segment by its keys' absolute positions. A float32 CPU pass of one sequence whose
 whole KV (float32 or bf16) is resident and unpadded takes one fused call instead (kvtier's
-CPU kernel ``attend_prefill``, or ``attend_prefill_bf16`` for bf16 KV on a CPU with bf16 dot
-products (AMX, AVX-512 BF16): its
-earlier keys and its own keys, causally, no merge). kvtier's CPU kernels have no soft-cap:
-a capped layer never takes them (``attend_prefill``, ``attend_slots`` on the host) but
-torch's path with the cap, which is exact. The functions
+CPU kernel ``attend_prefill``, or ``attend_prefill_bf16`` for bf16 KV on a CPU with bf16
+dot products, AMX or AVX-512 BF16: its earlier keys and its own keys, causally, no merge).
+kvtier's CPU kernels have no soft-cap: a capped layer never takes them (``attend_prefill``,
+``attend_slots`` on the host) but torch's path with the cap, which is exact. The functions
 only read the views (and acquire/release the staging ring's pieces); they mutate no cache
 state.
 """
