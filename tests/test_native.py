@@ -28,6 +28,37 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _decode_dots(kv_dtype: torch.dtype, dim: int) -> bool:
+    """Whether decode_attend and attend_slots round queries and probabilities to bf16 (bf16
+    KV, head dim 64 or 128, a CPU with bf16 dot products) or run float32 arithmetic."""
+    return kv_dtype == torch.bfloat16 and dim in (64, 128) and bool(native.bf16_prefill())
+
+
+def _assert_attention(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dots: bool,
+) -> None:
+    """out [..., D] and lse [...] against softmax(q k^T scale) v for queries q [..., D] over
+    float32 keys and values k, v [..., K, D] (batch dims broadcast): float32 tolerances,
+    or (dots) float64 attention of the rounded queries within the probabilities' rounding
+    (2^-8 of each weight)."""
+    if dots:
+        q, k, v, scale = (q * scale).bfloat16().double(), k.double(), v.double(), 1.0
+    scores = (q.unsqueeze(-2) @ k.transpose(-1, -2)).squeeze(-2) * scale  # [..., K]
+    want = (scores.softmax(-1).unsqueeze(-2) @ v).squeeze(-2)
+    if dots:
+        assert (out.double() - want).abs().max().item() < 2**-8 * v.abs().max().item()
+        torch.testing.assert_close(lse.double(), scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, scores.logsumexp(-1))
+
+
 def test_rms_norm_with_and_without_the_residual_add() -> None:
     gen = torch.Generator().manual_seed(0)
     x, res = torch.randn(9, 576, generator=gen), torch.randn(9, 576, generator=gen)
@@ -86,8 +117,10 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(
 ) -> None:
     """Rows on seats 2 and 0 (not in seat order), one with a pool range longer than a
     work block, one with none; out rows not named stay untouched. A bf16 slab stores the
-    new K/V rounded to nearest even and attends its keys widened: float32 arithmetic on
-    the rounded values."""
+    new K/V rounded to nearest even; where the CPU has bf16 dot products (and the head dim
+    is 64 or 128) the queries times the scale and the probabilities are rounded too
+    (against float64 attention of the rounded queries, within the probabilities' rounding,
+    2^-8 of each weight), else float32 arithmetic on the rounded K/V."""
     gen = torch.Generator().manual_seed(2)
     seats_n, layers, heads, slots, tokens = 3, 2, 2, 3, 256
     slab = torch.randn(seats_n, layers, 2, heads, 1 + slots, tokens, dim, generator=gen)
@@ -109,13 +142,10 @@ def test_decode_attend_stores_the_new_token_and_attends_each_rows_keys(
         keys = want_slab[seat, 1, 0].reshape(heads, -1, dim).float()
         values = want_slab[seat, 1, 1].reshape(heads, -1, dim).float()
         visible = torch.cat([torch.arange(pos + 1), torch.arange(int(lo[r]), int(hi[r]))])
-        q = query[:, row].reshape(heads, groups, dim)
-        ref = F.scaled_dot_product_attention(
-            q, keys[:, visible], values[:, visible], scale=0.3
-        )  # [Hkv, G, D]
-        torch.testing.assert_close(out[row], ref.reshape(heads * groups, dim))
-        scores = q @ keys[:, visible].transpose(1, 2) * 0.3  # [Hkv, G, keys]
-        torch.testing.assert_close(lse[row], torch.logsumexp(scores, -1).reshape(-1))
+        q = query[:, row].reshape(heads, groups, dim)  # over k, v [Hkv, 1, K, D]
+        k, v = keys[:, None, visible], values[:, None, visible]
+        got, got_lse = out[row].view(heads, groups, dim), lse[row].view(heads, groups)
+        _assert_attention(got, got_lse, q, k, v, 0.3, _decode_dots(kv_dtype, dim))
     assert torch.equal(slab, want_slab)
     assert (out[[0, 2]] == 7.0).all() and (lse[[0, 2]] == 5.0).all()
 
@@ -245,9 +275,9 @@ def test_attend_slots_reads_chunks_where_they_lie(
     _ops().attend_slots(pool, layer, torch.tensor(slots), q, out, lse, dim**-0.5)
     k = torch.cat([pool[s, layer, 0] for s in slots], 1).repeat_interleave(groups, 0).float()
     v = torch.cat([pool[s, layer, 1] for s in slots], 1).repeat_interleave(groups, 0).float()
-    scores = q @ k.transpose(1, 2) * dim**-0.5  # [Hq, N, K]
-    torch.testing.assert_close(out, (scores.softmax(-1) @ v).transpose(0, 1))
-    torch.testing.assert_close(lse, scores.logsumexp(-1).t())
+    got, got_lse = out.transpose(0, 1), lse.t()  # [Hq, N, D], [Hq, N]
+    dots = _decode_dots(kv_dtype, dim)
+    _assert_attention(got, got_lse, q, k[:, None], v[:, None], dim**-0.5, dots)
 
 
 def test_bad_inputs_raise_a_clear_error() -> None:

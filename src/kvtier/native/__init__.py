@@ -102,7 +102,10 @@ def ops() -> Any | None:
 
 KV_DTYPES = (torch.float32, torch.bfloat16)
 """KV element types the attention kernels (``decode_attend``, ``attend_prefill``,
-``attend_slots``) read: bf16 widened exactly as it is loaded, the arithmetic float32."""
+``attend_slots``) read. bf16: ``attend_prefill`` widens it exactly as it is loaded (float32
+arithmetic); ``decode_attend`` and ``attend_slots`` do too where ``bf16_prefill()`` is ``""``
+or the head dim is not 64 or 128, and otherwise, like ``attend_prefill_bf16``, round the
+queries and probabilities to bf16 and multiply on vdpbf16ps (kvtier's bf16 mode)."""
 
 
 def kv_ops(kv: torch.Tensor) -> Any | None:
