@@ -89,15 +89,7 @@ void attend_block_fixed(const float* q, const T* k, const T* v, int64_t len,
     for (int c = 0; c < C; ++c) qv[g][c] = load(q + g * D + c * kLanes) * scale;
   }
   int64_t j = 0;
-  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
   for (; j + kLanes <= len; j += kLanes) {  // 16 keys: their scores summed together
-    for (int64_t t = 0; t < kLanes; ++t) {  // the next 16 keys, a cache line at a time
-      const char* next = reinterpret_cast<const char*>(k + (j + kLanes + t) * D);
-      for (int64_t b = 0; b < kRowBytes; b += 64) prefetch(next + b);
-      // and these 16 keys' values into L2, for P.V after the softmax
-      const char* vals = reinterpret_cast<const char*>(v + (j + t) * D);
-      for (int64_t b = 0; b < kRowBytes; b += 64) prefetch_l2(vals + b);
-    }
     const float* keys = nullptr;  // the 16 keys as float32
     alignas(64) float wide[std::is_same_v<T, float> ? 1 : kLanes * D];
     if constexpr (std::is_same_v<T, float>) {
@@ -136,8 +128,6 @@ void attend_block_fixed(const float* q, const T* k, const T* v, int64_t len,
   for (int64_t j = 0; j < len; ++j) {
     vfloat vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load_kv(v + j * D + c * kLanes);
-    const char* next = reinterpret_cast<const char*>(v + (j + kLanes) * D);
-    for (int64_t b = 0; b < kRowBytes; b += 64) prefetch(next + b);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * kBlockTokens + j];
       for (int c = 0; c < C; ++c) o[g][c] += p * vr[c];
@@ -182,15 +172,8 @@ void attend_block_dots(const float* q, const uint16_t* k, const uint16_t* v, int
     for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, load_bh(row + c * 32), qv[g][c]);
     return a;
   };
-  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(uint16_t));
   int64_t j = 0;
-  for (; j + kLanes <= len; j += kLanes) {  // prefetches as attend_block_fixed's
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const char* next = reinterpret_cast<const char*>(k + (j + kLanes + t) * D);
-      for (int64_t b = 0; b < kRowBytes; b += 64) prefetch(next + b);
-      const char* vals = reinterpret_cast<const char*>(v + (j + t) * D);
-      for (int64_t b = 0; b < kRowBytes; b += 64) prefetch_l2(vals + b);
-    }
+  for (; j + kLanes <= len; j += kLanes) {
     for (int g = 0; g < G; ++g) {
       vfloat acc[kLanes];
       for (int64_t t = 0; t < kLanes; ++t) {
@@ -217,8 +200,6 @@ void attend_block_dots(const float* q, const uint16_t* k, const uint16_t* v, int
     for (int c = 0; c < 2 * C; ++c) o[g][c] = _mm512_setzero_ps();
   }
   for (j = 0; j < len; j += 2) {
-    const char* next = reinterpret_cast<const char*>(v + (j + kLanes) * D);
-    for (int64_t b = 0; b < 2 * kRowBytes; b += 64) prefetch(next + b);
     __m512i lo[C], hi[C];
     for (int c = 0; c < C; ++c) {
       const __m512i a = _mm512_loadu_si512(v + j * D + c * 32);
@@ -286,10 +267,18 @@ bool attend_block_dim(int64_t groups, const float* q, const T* k, const T* v,
 // One work item (attend_block_any's contract) over float32 or bf16 (uint16_t) keys and
 // values. bf16 with head dim 64 or 128 and at most 8 queries a KV head, on a CPU with
 // AVX-512 BF16: attend_block_dots (queries and probabilities rounded to bf16); any other
-// bf16 case widens the rows into scratch (float32 arithmetic).
+// bf16 case widens the rows into scratch (float32 arithmetic). The item's K and V rows are
+// first staged into L2 (vec.h's stage; at most 2 x 256 rows of D, 128 KiB with D = 64 in
+// float32), and the kernels read them with no prefetches of their own. Per-step
+// alternation in one engine (2-core AMD EPYC, 16 rows of 512 + 64 tokens, against the
+// kernels' earlier prefetches 16 keys ahead): float32 steps 45.7 / 48.1 / 45.3 -> 43.5 /
+// 44.4 / 43.1 ms, bf16 27.0 / 29.5 / 25.7 -> 26.4 / 28.6 / 24.9; one row of 4,000 + 64
+// tokens: float32 30.0 / 24.0 / 26.2 -> 28.4 / 22.3 / 24.3, bf16 15.2 / 17.4 / 17.4 ->
+// 14.8 / 16.5 / 16.2.
 template <typename T>
 void attend_block(int64_t groups, int64_t dim, const float* q, const T* k, const T* v,
                   int64_t len, float scale, float* scores, float* res) {
+  stage(k, v, len * dim * static_cast<int64_t>(sizeof(T)));  // K and V into L2 first
   const bool fixed =
       (dim == 64 && attend_block_dim<64>(groups, q, k, v, len, scale, scores, res)) ||
       (dim == 128 && attend_block_dim<128>(groups, q, k, v, len, scale, scores, res));
