@@ -11,7 +11,8 @@
 // kBlockK values of k (their accumulators parked in L1 between turns), so the later groups
 // find the block's panels in L1 instead of a second pass over it. Each k also prefetches
 // the panels kPrefetchK values ahead: the hardware streamer stops at every 4 KiB page (a
-// panel of 576 values spans 9), and a tile busy with FMAs otherwise waits on memory. Taking
+// panel of 576 values spans 9), and a tile busy with FMAs otherwise waits on memory (on
+// Intel; on AMD a lone group does better without, see lone_group_prefetches). Taking
 // turns, each group instead prefetches its share of the next block while it computes (the
 // later groups' turns had left memory idle): 16 rows, one process against the build before,
 // best (median) of 6 in three sittings: 33.3 (33.6) -> 32.2 (32.5), 26.7 (27.2) -> 22.4
@@ -66,6 +67,26 @@ constexpr int kTilePanels = 3;
 constexpr int64_t kBlockK = 64;    // k values per turn when 8-row groups share a block
 constexpr int64_t kParkRows = 64;  // rows whose accumulators one block parks at a time
 constexpr int64_t kPrefetchK = 16;  // how far ahead (in k) each tile prefetches its panels
+
+// Whether a lone group of at most 8 rows (no turns) prefetches its panels kPrefetchK values
+// ahead. On the Intel Xeon it paid (1 row 18.4 -> 17.0 ms with the turns, above). On AMD
+// (Zen 4) the hardware streamer does better alone: per-step alternation in one engine on
+// the 2-core AMD EPYC, without against with, 1 row float32 16.0 / 16.6 / 21.0 against
+// 16.9 / 17.8 / 21.7 ms, bf16 9.6 / 9.4 / 11.5 against 10.1 / 9.9 / 12.0, 8 rows float32
+// 22.4 / 21.9 against 23.0 / 22.5, bf16 14.0 / 13.8 against 14.9 / 14.4. Taking turns (16
+// rows) the prefetches pay on AMD too: without any, 47.5 / 46.6 / 49.3 against 45.0 / 42.1 /
+// 45.9 ms, so there they stay.
+bool lone_group_prefetches() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("amd");
+  }();
+  return yes;
+#else
+  return true;
+#endif
+}
 
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -197,6 +218,7 @@ template <typename L, typename W = typename L::W>
 void linear_panels_of(const typename L::X* x, const W* w, const float* bias, float* y,
                       int64_t rows, int64_t in, int64_t out_n, int64_t panels) {
   const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
+  const bool alone_ahead = lone_group_prefetches();
   kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
     vfloat park[kParkRows * kTilePanels];
     for (int64_t b = begin; b < end; ++b) {
@@ -207,7 +229,8 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
         const int64_t chunk = std::min<int64_t>(kParkRows, rows - r0);
         // One 8-row group: all of k in one go. More: the groups take turns every kBlockK
         // values of k, so the block's panels come from memory once and from L1 after.
-        // Prefetching: one group reads kPrefetchK values ahead. Taking turns, the later
+        // Prefetching: one group reads kPrefetchK values ahead (where
+        // lone_group_prefetches: not on AMD). Taking turns, the later
         // groups find the block in L1 and would leave memory idle for their turns, so
         // every group asks for its share of the next block (the next block of panels
         // after the last) while it computes; the first turn also reads ahead.
@@ -223,7 +246,7 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
           for (int64_t r = 0; r < chunk; r += kTileRows) {
             const int64_t n = std::min<int64_t>(kTileRows, chunk - r);
             const int64_t g = r / kTileRows;
-            Prefetch<W> pf{!turns || (k0 == 0 && g == 0), next_w, 0, 0};
+            Prefetch<W> pf{turns ? k0 == 0 && g == 0 : alone_ahead, next_w, 0, 0};
             if (turns && next_w != nullptr) {
               pf.first = next_first + g * next_lines / groups;
               pf.count = next_first + (g + 1) * next_lines / groups - pf.first;
