@@ -1,6 +1,7 @@
 """Benchmark ``profile_step``: where does one step of kvtier's engine spend its time?
 
-Runs the embedded model in ``kvtier.engine.LLM`` (the peers benchmark's memory split) on
+Runs the embedded model in ``kvtier.engine.LLM`` (the peers benchmark's memory split; with
+``--bf16``, its bf16 weights, as ``peers --bf16``) on
 ``--prompts`` seeded prompts of ``--prompt-tokens`` and profiles, with ``torch.profiler``,
 one step of the kind asked for: ``decode`` (the ``--skip``-th step whose every piece is one
 decoding token and which holds ``--prompts`` sequences) or ``prefill`` (the ``--skip``-th
@@ -65,7 +66,7 @@ def run(args: Any) -> dict[str, Any]:
 
     setattr(runner_module.LlamaRunner, "run", run_step)  # noqa: B010 (time every step)
     try:
-        with LLM(config=kvtier_engine_config(4)) as llm:
+        with LLM(config=kvtier_engine_config(4, args.bf16)) as llm:
             warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
             llm.generate([random_ids(32, args.seed, 99)], warm)
             steps.clear()
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=4, help="matching steps before the one")
     parser.add_argument("--threads", type=int, default=2, minimum=1)
     parser.add_argument("--top", type=int, default=15, help="operators listed")
+    parser.add_argument("--bf16", action="store_true", help="bf16 weights (peers' --bf16)")
     args = parser.parse(argv)
     if args.quick:
         args.prompts, args.prompt_tokens, args.new_tokens, args.skip = 2, 64, 4, 0

@@ -144,8 +144,10 @@ def test_one_call_for_a_decode_steps_layers_gives_the_loops_bits(
             llama.fuse_decode = fuse
             forward = llama.forward
 
-            def keep(*args: Any, forward: Any = forward, steps: Any = steps) -> torch.Tensor:
-                out: torch.Tensor = forward(*args)
+            def keep(
+                *args: Any, forward: Any = forward, steps: Any = steps, **kwargs: Any
+            ) -> torch.Tensor:
+                out: torch.Tensor = forward(*args, **kwargs)
                 steps.append(out.clone())
                 return out
 

@@ -47,6 +47,7 @@ import torch
 
 from kvtier import native
 from kvtier.engine.decode_path import DecodePath
+from kvtier.engine.greedy_head import GreedyHead
 from kvtier.engine.layer_weights import decode_arguments, fuse_layer
 from kvtier.engine.linear import MEASURED_ROWS, ROWS_KERNEL_MAX, make_linear, rows_kernel_max
 from kvtier.engine.rope import RopeTable
@@ -119,6 +120,12 @@ class LlamaModel:
         self.decode_path = DecodePath(rows, ROWS_KERNEL_MAX)
         """One ``decode_layers`` call or the layer loop, by a decode step's row count."""
         self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
+        self.greedy_head = (
+            GreedyHead.build(weight, self.ops)
+            if self.ops is not None and matmul_dtype is None and self.lm_head.panels is not None
+            else None
+        )
+        """The head's bf16 screen for rows that need only their argmax (float32 kernels)."""
         self.low_activations = matmul_dtype is not None and all(
             x.pack is not None for layer in layers for x in (layer.o, layer.gate_up, layer.down)
         )
@@ -188,6 +195,7 @@ class LlamaModel:
         kvs: Sequence[SequenceKV] | None,
         spans: Sequence[tuple[int, int]],
         logit_rows: torch.Tensor,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """Logits ``[len(logit_rows), V]`` of one step.
 
@@ -198,6 +206,9 @@ class LlamaModel:
                 None for a throw-away forward where each span attends to itself only.
             spans: each sequence's ``(start, length)`` in the packed row.
             logit_rows: ``[R]`` packed indices whose logits are wanted.
+            argmax_only: only each row's first maximum is read: rows the head multiplies
+                on ``linear_panels`` then come from ``greedy_head`` (the same argmax;
+                ``-inf`` at the tokens it rules out).
         """
         n = ids.shape[0]
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -223,7 +234,16 @@ class LlamaModel:
                     last = last.index_select(0, logit_rows)
             if decode_only:
                 self.decode_path.record(n, one_call, time.perf_counter() - start)
-            return self.lm_head(ops.rms_norm(last, self.final_norm, self.eps))
+            normed = ops.rms_norm(last, self.final_norm, self.eps)
+            head = self.lm_head
+            if (
+                argmax_only
+                and self.greedy_head is not None
+                and head.kernels is not None
+                and normed.shape[0] <= head.rows_max
+            ):
+                return self.greedy_head.logits(normed)
+            return head(normed)
         cos, sin = cos[None, None], sin[None, None]  # [1, 1, N, D]
         last_index = len(self.layers) - 1
         for index, layer in enumerate(self.layers):

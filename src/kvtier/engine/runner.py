@@ -79,6 +79,13 @@ def pack(work: Seq[Piece]) -> Packed:
     return step
 
 
+def argmax_only(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token reads only its logits' first maximum: greedy, with no
+    log-probabilities (``kvtier.engine.sampling.sample``, ``postprocess``)."""
+    params = seq.handle.request.params
+    return params.greedy and params.logprobs is None
+
+
 def seat_order(work: Seq[Piece]) -> list[Piece]:
     """The pieces with the one-token pieces of seated sequences first, by seat; the others
     after them in their order. Pure."""
@@ -180,6 +187,7 @@ class LlamaRunner:
                 caches,
                 spans,
                 torch.tensor(logit_rows or [len(ids) - 1], device=device),
+                argmax_only=bool(sampled) and all(argmax_only(seq) for seq in sampled),
             )
         except BaseException:
             for cache in caches:
