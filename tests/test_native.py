@@ -416,6 +416,31 @@ def test_bf16_panels_rows_do_not_change_each_others_bits() -> None:
             assert torch.equal(_ops().linear_panels(x[:rows], panels, None, 100), alone[:rows])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64])
+def test_int8_panels_multiply_the_integers_times_each_outputs_scale(rows: int) -> None:
+    """int8 panels (the LM head's greedy screen) share the float32 layout; each line is
+    widened exactly and each output's sum multiplied by its scale; rows keep their bits."""
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (100, 150), generator=gen, dtype=torch.int8)
+    scales = torch.rand(100, generator=gen) / 100
+    panels = _ops().pack_panels(q)
+    assert panels.shape == (7, 150, 16) and panels.dtype == torch.int8
+    x = torch.randn(rows, 150, generator=gen)
+    want = F.linear(x.double(), q.double() * scales.double()[:, None]).float()
+    got = _ops().linear_panels(x, panels, None, 100, scales)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    alone = torch.cat(
+        [_ops().linear_panels(x[i : i + 1], panels, None, 100, scales) for i in range(rows)]
+    )
+    assert torch.equal(got, alone)
+    with pytest.raises(RuntimeError, match="int8 panels take scales"):
+        _ops().linear_panels(x, panels, None, 100)
+    with pytest.raises(RuntimeError, match="int8 panels take scales"):
+        _ops().linear_panels(x, _ops().pack_panels(q.float()), None, 100, scales)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        _ops().linear_panels(x, panels, None, 100, scales[:50])
+
+
 def test_linear_panels_refuses_mismatched_inputs() -> None:
     panels = _ops().pack_panels(torch.zeros(20, 90))
     with pytest.raises(RuntimeError, match="must match x's I"):

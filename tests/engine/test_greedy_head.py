@@ -12,8 +12,9 @@ import torch
 
 from kvtier import native
 from kvtier.engine import Engine, SamplingParams
-from kvtier.engine.greedy_head import GreedyHead
-from kvtier.engine.linear import make_linear
+from kvtier.engine.greedy_head import ROWS_MAX, GreedyHead
+from kvtier.engine.linear import MEASURED_ROWS, make_linear
+from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner
 from tests.engine.tiny import engine_config, reference_tokens, tiny_model
 
@@ -26,6 +27,7 @@ def head_and_screen(vocab: int, hidden: int, seed: int) -> tuple[Any, GreedyHead
     weight = torch.randn(vocab, hidden, generator=gen) * 0.05
     weight[7] = weight[3]  # an exact tie: the first index must win
     weight[11] = torch.nextafter(weight[5], torch.full_like(weight[5], 1.0))  # one ulp apart
+    weight[13] = 0.0  # a zero row: scale 0
     return make_linear(weight, None, ops), GreedyHead.build(weight, ops)
 
 
@@ -47,6 +49,7 @@ def check_rows(head: Any, screen: GreedyHead, x: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("hidden", [64, 576])
 def test_the_screen_keeps_the_heads_first_maximum_and_its_bits(hidden: int) -> None:
     head, screen = head_and_screen(3000, hidden, seed=hidden)
+    assert screen.screen.dtype == torch.int8
     gen = torch.Generator().manual_seed(1)
     counts: list[int] = []
     for rows in (1, 2, 7, 8, 9, 16, 33):
@@ -75,6 +78,11 @@ def test_rows_without_a_bound_are_computed_whole() -> None:
 def test_the_screen_is_refused_a_head_it_cannot_bound() -> None:
     with pytest.raises(ValueError, match="float32 CPU"):
         GreedyHead.build(torch.zeros(4, 8, dtype=torch.bfloat16), ops)
+    weight = torch.zeros(4, 8)
+    weight[2, 3] = float("inf")
+    assert GreedyHead.why_not(weight) is not None
+    with pytest.raises(ValueError, match="NaN or an infinity"):
+        GreedyHead.build(weight, ops)
 
 
 def test_the_runner_screens_only_greedy_steps_without_logprobs(
@@ -108,3 +116,25 @@ def test_the_runner_screens_only_greedy_steps_without_logprobs(
         sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=4, ignore_eos=True)
         engine.submit(prompt, sampled).result()
         assert not calls
+
+
+def test_the_model_screens_up_to_rows_max_rows(tokenizer: Any) -> None:
+    """``argmax_only`` with at most ``ROWS_MAX`` sampled rows: the screen (the same argmax,
+    ``-inf`` where it ruled tokens out); more rows: the whole head."""
+    model = tiny_model(tokenizer, seed=5)
+    MEASURED_ROWS[model] = {torch.get_num_threads(): 64}  # the head on linear_panels
+    llama = LlamaModel(model)
+    assert llama.greedy_head is not None
+    spans = [(0, 9), (9, 7), (16, 12), (28, 5), (33, 8), (41, 6)]
+    ids = torch.tensor([(500 + 13 * i) % 4000 for i in range(47)])
+    positions = torch.cat([torch.arange(n) for _, n in spans])
+    ends = torch.tensor([start + n - 1 for start, n in spans])
+    with torch.no_grad():
+        for count in (1, ROWS_MAX, ROWS_MAX + 1):
+            rows = ends[:count]
+            full = llama.forward(ids, positions, None, spans, rows)
+            fast = llama.forward(ids, positions, None, spans, rows, argmax_only=True)
+            assert torch.equal(fast.argmax(dim=1), full.argmax(dim=1))
+            kept = torch.isfinite(fast)
+            assert torch.equal(fast[kept], full[kept])
+            assert bool(kept.all()) == (count > ROWS_MAX)

@@ -47,6 +47,7 @@ import torch
 
 from kvtier import native
 from kvtier.engine.decode_path import DecodePath
+from kvtier.engine.greedy_head import ROWS_MAX as GREEDY_ROWS_MAX
 from kvtier.engine.greedy_head import GreedyHead
 from kvtier.engine.layer_weights import decode_arguments, fuse_layer
 from kvtier.engine.linear import MEASURED_ROWS, ROWS_KERNEL_MAX, make_linear, rows_kernel_max
@@ -122,10 +123,12 @@ class LlamaModel:
         self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
         self.greedy_head = (
             GreedyHead.build(weight, self.ops)
-            if self.ops is not None and matmul_dtype is None and self.lm_head.panels is not None
+            if self.lm_head.kernels is not None
+            and self.lm_head.matmul_dtype is None
+            and GreedyHead.why_not(weight) is None
             else None
         )
-        """The head's bf16 screen for rows that need only their argmax (float32 kernels)."""
+        """The float32 head's int8 screen for rows that need only their argmax."""
         self.low_activations = matmul_dtype is not None and all(
             x.pack is not None for layer in layers for x in (layer.o, layer.gate_up, layer.down)
         )
@@ -206,9 +209,10 @@ class LlamaModel:
                 None for a throw-away forward where each span attends to itself only.
             spans: each sequence's ``(start, length)`` in the packed row.
             logit_rows: ``[R]`` packed indices whose logits are wanted.
-            argmax_only: only each row's first maximum is read: rows the head multiplies
-                on ``linear_panels`` then come from ``greedy_head`` (the same argmax;
-                ``-inf`` at the tokens it rules out).
+            argmax_only: only each row's first maximum is read: up to
+                ``greedy_head.ROWS_MAX`` rows the float32 head multiplies on
+                ``linear_panels`` then come from ``greedy_head`` (the same argmax; ``-inf``
+                at the tokens it rules out).
         """
         n = ids.shape[0]
         hq, hkv, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -240,7 +244,7 @@ class LlamaModel:
                 argmax_only
                 and self.greedy_head is not None
                 and head.kernels is not None
-                and normed.shape[0] <= head.rows_max
+                and normed.shape[0] <= min(head.rows_max, GREEDY_ROWS_MAX)
             ):
                 return self.greedy_head.logits(normed)
             return head(normed)

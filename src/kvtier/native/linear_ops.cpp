@@ -42,6 +42,11 @@
 // against 5.9 G instructions/s), so without AMX it lost to widening from 8 rows up (16
 // rows 25 against 16.3 ms); on AMD Zen 4 it issues at the FMAs' rate, unmeasured here.
 //
+// int8 panels [P, I, 16] (a line: 16 outputs' int8 weights at one k, 16 bytes) with a
+// float32 scale per output: the same tiles, each line widened to float32 as read (exact),
+// and each output's sum times its scale (kvtier.engine.greedy_head's screen of the LM
+// head: a quarter of the float32 head's bytes). Packed by the caller.
+//
 // x, bias and y float32 (a bf16 bias is widened); sums in float32. Threads:
 // kvtier_pool::parallel_for_rows over panel blocks (pool.h). Inputs are checked.
 
@@ -89,11 +94,12 @@ bool lone_group_prefetches() {
 }
 
 at::Tensor pack_panels(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "pack_panels: w must be [O, I], float32 or bfloat16");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 ||
+                                w.scalar_type() == at::kChar),
+              "pack_panels: w must be [O, I], float32, bfloat16 or int8");
   const int64_t out_n = w.size(0), in = w.size(1);
   const int64_t panels = (out_n + kPanel - 1) / kPanel;
-  if (w.scalar_type() == at::kFloat) {
+  if (w.scalar_type() != at::kBFloat16) {  // float32 or int8: [P, I, 16]
     at::Tensor padded = at::zeros({panels * kPanel, in}, w.options());
     padded.narrow(0, 0, out_n).copy_(w);
     // [P, 16, I] -> [P, I, 16]
@@ -113,6 +119,14 @@ struct Float32Lines {
   using X = float;
   static vfloat load_w(const float* p) { return load(p); }
   static vfloat splat_x(float x) { return splat(x); }  // vec.h: one broadcast load
+  static vfloat madd(vfloat acc, vfloat w, vfloat x) { return acc + x * w; }
+};
+
+struct Int8Lines {  // a line: 16 outputs' int8 weights at one k (16 bytes)
+  using W = int8_t;
+  using X = float;
+  static vfloat load_w(const int8_t* p) { return load_i8(p); }
+  static vfloat splat_x(float x) { return splat(x); }
   static vfloat madd(vfloat acc, vfloat w, vfloat x) { return acc + x * w; }
 };
 
@@ -192,18 +206,22 @@ inline void rows_tile(int64_t rows, const typename L::X* x, int64_t in, int64_t 
   }
 }
 
-// y[r, col + 16 c + l] = park[r][c][l] + bias, for the `lanes` outputs a panel holds.
+// y[r, col + 16 c + l] = park[r][c][l] (times scale, int8 panels' per-output scale) +
+// bias, for the `lanes` outputs a panel holds.
 inline void store_block(const vfloat* park, int64_t rows, int64_t count, float* y,
-                        int64_t out_n, int64_t col, const float* bias) {
+                        int64_t out_n, int64_t col, const float* bias, const float* scale) {
   for (int64_t c = 0; c < count; ++c) {
     const int64_t first = col + c * kPanel;
     const int64_t lanes = std::min<int64_t>(kPanel, out_n - first);
-    vfloat b{};
+    vfloat b{}, s = splat(1.f);
     if (bias != nullptr) {
       for (int64_t l = 0; l < lanes; ++l) b[l] = bias[first + l];
     }
+    if (scale != nullptr) {
+      for (int64_t l = 0; l < lanes; ++l) s[l] = scale[first + l];
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const vfloat v = park[r * count + c] + b;
+      const vfloat v = (scale != nullptr ? park[r * count + c] * s : park[r * count + c]) + b;
       float* dst = y + r * out_n + first;
       if (lanes == kPanel) {
         store(dst, v);
@@ -216,7 +234,8 @@ inline void store_block(const vfloat* park, int64_t rows, int64_t count, float* 
 
 template <typename L, typename W = typename L::W>
 void linear_panels_of(const typename L::X* x, const W* w, const float* bias, float* y,
-                      int64_t rows, int64_t in, int64_t out_n, int64_t panels) {
+                      int64_t rows, int64_t in, int64_t out_n, int64_t panels,
+                      const float* scale = nullptr) {
   const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
   const bool alone_ahead = lone_group_prefetches();
   kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
@@ -262,7 +281,7 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
             }
           }
         }
-        store_block(park, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias);
+        store_block(park, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias, scale);
       }
     }
   });
@@ -372,21 +391,29 @@ void linear_amx(const uint16_t* x, const uint32_t* w, const float* bias, float* 
 namespace kvtier_ops {
 
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
-                         const c10::optional<at::Tensor>& bias, int64_t out_n) {
+                         const c10::optional<at::Tensor>& bias, int64_t out_n,
+                         const c10::optional<at::Tensor>& scales) {
   const auto wtype = panels.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "linear_panels: x must be a contiguous float32 [M, I]");
-  const bool pairs = wtype == at::kBFloat16;
+  const bool pairs = wtype == at::kBFloat16, quads = wtype == at::kChar;
   const int64_t rows = x.size(0), in = x.size(1), count = panels.size(0);
   const int64_t lines = pairs ? (in + 1) / 2 : in;
   TORCH_CHECK(panels.is_contiguous() && panels.size(0) > 0 &&
-                  (wtype == at::kFloat || wtype == at::kBFloat16) &&
+                  (wtype == at::kFloat || pairs || quads) &&
                   panels.dim() == (pairs ? 4 : 3) && panels.size(2) == kPanel &&
                   (!pairs || panels.size(3) == 2),
-              "linear_panels: panels must be pack_panels' contiguous [P, I, 16] (float32) or "
-              "[P, ceil(I / 2), 16, 2] (bfloat16)");
+              "linear_panels: panels must be pack_panels' contiguous [P, I, 16] (float32 or "
+              "int8) or [P, ceil(I / 2), 16, 2] (bfloat16)");
   TORCH_CHECK(panels.size(1) == lines && out_n > 0 && (out_n + kPanel - 1) / kPanel == count,
               "linear_panels: panels must match x's I and hold out_features");
+  const bool scaled = scales.has_value() && scales->defined();
+  TORCH_CHECK(scaled == quads, "linear_panels: int8 panels take scales, and only they");
+  if (quads) {
+    TORCH_CHECK(scales->dim() == 1 && scales->numel() == out_n && scales->is_contiguous() &&
+                    scales->scalar_type() == at::kFloat,
+                "linear_panels: scales must be a contiguous float32 [out_features]");
+  }
   at::Tensor b32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == out_n,
@@ -417,6 +444,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
 #else
     linear_panels_of<Bf16PairLines>(xw, wp, bp, y.data_ptr<float>(), rows, lines, out_n, count);
 #endif
+  } else if (quads) {
+    linear_panels_of<Int8Lines>(xp, panels.data_ptr<int8_t>(), bp, y.data_ptr<float>(), rows,
+                                in, out_n, count, scales->data_ptr<float>());
   } else {
     linear_panels_of<Float32Lines>(xp, panels.data_ptr<float>(), bp, y.data_ptr<float>(), rows,
                                    in, out_n, count);
@@ -428,7 +458,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
 
 TORCH_LIBRARY_FRAGMENT(kvtier_cpu, m) {
   m.def("pack_panels(Tensor w) -> Tensor");
-  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def(
+      "linear_panels(Tensor x, Tensor panels, Tensor? bias, int out_features, "
+      "Tensor? scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) {

@@ -44,6 +44,7 @@ void rope_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
-                         const std::optional<at::Tensor>& bias, int64_t out_n);
+                         const std::optional<at::Tensor>& bias, int64_t out_n,
+                         const std::optional<at::Tensor>& scales = std::nullopt);
 
 }  // namespace kvtier_ops

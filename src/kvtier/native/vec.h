@@ -75,6 +75,19 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
+// 16 int8 values (16 bytes at p) widened to float32, exactly.
+inline vfloat load_i8(const int8_t* p) {
+#ifdef __AVX512F__
+  const __m512 v = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return reinterpret_cast<const vfloat&>(v);
+#else
+  vfloat v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
 // Lane by lane the larger of a and b.
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
