@@ -11,10 +11,20 @@ from kvbench.profile_step import run
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_the_profiled_step_is_of_the_kind_asked_for(kind: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "bf16"), [("decode", False), ("prefill", False), ("decode", True)]
+)
+def test_the_profiled_step_is_of_the_kind_asked_for(kind: str, bf16: bool) -> None:
     args = argparse.Namespace(
-        kind=kind, prompts=2, prompt_tokens=40, new_tokens=3, skip=0, threads=1, top=5, seed=0
+        kind=kind,
+        prompts=2,
+        prompt_tokens=40,
+        new_tokens=3,
+        skip=0,
+        threads=1,
+        top=5,
+        seed=0,
+        bf16=bf16,
     )
     result = run(args)
     profiled = result["profiled"]
