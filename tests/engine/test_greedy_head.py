@@ -1,4 +1,4 @@
-"""The greedy head's bf16 screen: the same first maximum as the float32 head, its candidates'
+"""The greedy head's int8 screen: the same first maximum as the float32 head, its candidates'
 logits bit for bit the head's, and the runner asks for it only where nothing else of the
 logits is read."""
 

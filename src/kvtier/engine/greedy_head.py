@@ -77,7 +77,8 @@ class GreedyHead:
     Attributes:
         weight: the model's head (shared, read-only): the candidates' rows.
         screen: int8 panels ``[P, H, 16]``; ``scales [V]`` float32 each token's scale.
-        bound: ``[V]`` float64 each token's ``D / ||x||`` (``E + (γ + 2u) P + γ W``).
+        bound: ``[V]`` float64 each token's ``D / ||x||`` (``E + (γ + 2u) P + γ W``);
+            ``bound_max`` its largest.
         ops: kvtier's CPU kernels (``pack_panels``, ``linear_panels``).
     """
 
@@ -85,6 +86,7 @@ class GreedyHead:
     screen: torch.Tensor
     scales: torch.Tensor
     bound: np.ndarray
+    bound_max: float
     ops: Any
 
     @staticmethod
@@ -120,11 +122,13 @@ class GreedyHead:
             norms[1, start:stop] = w_hat.norm(dim=1).numpy()
             norms[2, start:stop] = (w_hat - v).norm(dim=1).numpy()
         gamma = hidden * _UNIT_ROUNDOFF / (1 - hidden * _UNIT_ROUNDOFF)
+        bound = norms[2] + (gamma + 2 * _UNIT_ROUNDOFF) * norms[1] + gamma * norms[0]
         return cls(
             weight=weight,
             screen=ops.pack_panels(quant),
             scales=scales.contiguous(),
-            bound=norms[2] + (gamma + 2 * _UNIT_ROUNDOFF) * norms[1] + gamma * norms[0],
+            bound=bound,
+            bound_max=float(bound.max()),
             ops=ops,
         )
 
@@ -132,7 +136,6 @@ class GreedyHead:
         """Per row of ``x [R, H]``, the tokens whose float32 logit may be the row's maximum,
         given the screen's logits ``screened [R, V]`` (float32); sorted token ids."""
         norm_x = x.double().norm(dim=1).numpy()
-        bound_max = float(self.bound.max())
         out = []
         for r in range(screened.shape[0]):
             row = screened[r]
@@ -141,7 +144,7 @@ class GreedyHead:
                 out.append(np.arange(row.shape[0]))
                 continue
             # every token's D is at most d_max: a first cut with one bound for the row
-            d_max = norm_x[r] * bound_max * (1 + _SLACK_REL) + _SLACK_ABS
+            d_max = norm_x[r] * self.bound_max * (1 + _SLACK_REL) + _SLACK_ABS
             cut = top - 2 * d_max - 1e-12 * abs(top)
             cut32 = np.float32(cut)
             if cut32 > cut:  # rounded up: one float32 lower, so the cut keeps no fewer

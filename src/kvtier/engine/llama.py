@@ -121,14 +121,13 @@ class LlamaModel:
         self.decode_path = DecodePath(rows, ROWS_KERNEL_MAX)
         """One ``decode_layers`` call or the layer loop, by a decode step's row count."""
         self.lm_head = dataclasses.replace(self.lm_head, rows_max=rows)
-        self.greedy_head = (
-            GreedyHead.build(weight, self.ops)
-            if self.lm_head.kernels is not None
-            and self.lm_head.matmul_dtype is None
-            and GreedyHead.why_not(weight) is None
-            else None
-        )
+        self.greedy_head: GreedyHead | None = None
         """The float32 head's int8 screen for rows that need only their argmax."""
+        if self.lm_head.kernels is not None and self.lm_head.matmul_dtype is None:
+            try:
+                self.greedy_head = GreedyHead.build(weight, self.ops)
+            except ValueError as exc:  # a head no bound holds for: the whole head always
+                log.info("no greedy screen of the head: %s", exc)
         self.low_activations = matmul_dtype is not None and all(
             x.pack is not None for layer in layers for x in (layer.o, layer.gate_up, layer.down)
         )
@@ -243,7 +242,6 @@ class LlamaModel:
             if (
                 argmax_only
                 and self.greedy_head is not None
-                and head.kernels is not None
                 and normed.shape[0] <= min(head.rows_max, GREEDY_ROWS_MAX)
             ):
                 return self.greedy_head.logits(normed)
