@@ -33,6 +33,10 @@ class LayerWeights:
     gate_up: Linear  # [2 I, H]
     down: Linear  # [H, I]
 
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """q/k/v, o, gate/up and down, in a step's order."""
+        return (self.qkv, self.o, self.gate_up, self.down)
+
 
 def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """Concatenate biases along the output dim; None when every part has none."""
@@ -70,18 +74,19 @@ def fuse_layer(layer: Any, ops: Any, matmul_dtype: torch.dtype | None) -> LayerW
 
 
 def decode_arguments(
-    layers: Sequence[LayerWeights],
+    layers: Sequence[LayerWeights], coded: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
     """``decode_layers``' weights (6 a layer: input norm, qkv, o panels, post norm, gate/up,
-    down panels) and biases (4 a layer), or None: a projection without panels (no
-    kernels), Qwen3's per-head norms (the op does not run them), or an odd MLP width with
-    bf16 panels (they pair k, and the op derives the width from the down panels)."""
+    down panels; with ``coded``, each projection's code panels where it has them) and
+    biases (4 a layer), or None: a projection without panels (no kernels), or Qwen3's
+    per-head norms (the op does not run them)."""
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     for layer in layers:
-        projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        panels = [x.panels for x in projections if x.panels is not None]
-        if len(panels) < 4 or layer.q_norm is not None or layer.down.in_features % 2 != 0:
+        projections = layer.projections()
+        chosen = [x.codes if coded and x.codes is not None else x.panels for x in projections]
+        panels = [p for p in chosen if p is not None]
+        if len(panels) < 4 or layer.q_norm is not None:
             return None
         qkv, o, gate_up, down = panels
         weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]

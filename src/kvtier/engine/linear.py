@@ -18,9 +18,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvtier.engine.weight_codes import find_codes, pack_code_panels, weight_codes_on
+
 ROWS_KERNEL_MAX = 64
 """Most rows ``Linear`` may give kvtier's ``linear_panels`` kernel (oneDNN above); at start
 ``LlamaModel`` keeps it only up to the row count where it measures faster here."""
+
+CODES_ROWS_MAX = 8
+"""Most rows ``Linear`` multiplies on its code panels (its float32 panels above). Per-step
+alternation in one engine on SmolLM2-135M (2-core AMD EPYC, Zen 4, 2026-12-07), code
+panels against float32 panels: 1 row 8.3 / 8.5 / 8.8 against 18.0 / 18.5 / 18.5 ms, 4 rows
+14.2 / 14.9 against 21.1 / 22.0, but 16 rows 56.8 / 56.7 / 59.1 against 52.6 / 53.8 / 54.5
+(past one 8-row tile the widening is paid per tile, or per line in a buffer, while the
+float32 tiles share one read)."""
 
 ROWS_MEASURED = (1, 2, 4, 8, 16, 32, 64)
 """The row counts ``rows_kernel_max`` times (a decode batch's sizes)."""
@@ -48,6 +58,10 @@ class Linear:
     out_features: int
     in_features: int
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16]; bf16: [.., ceil(in / 2), 16, 2]
+    codes: torch.Tensor | None = None
+    """Where the float32 weight has exact low-bit codes (a GGUF model's): its code panels
+    (``weight_codes``; uint8, 6 or 10 bits a weight), which ``linear_panels`` multiplies
+    bit for bit as ``panels``, for up to ``CODES_ROWS_MAX`` rows."""
     kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
     rows_max: int = ROWS_KERNEL_MAX
     matmul_dtype: torch.dtype | None = None
@@ -60,9 +74,12 @@ class Linear:
         """``x [N, in]`` (float32; or ``matmul_dtype`` where it is set) → ``[N, out]``
         float32; with ``low_out``, oneDNN's product stays in ``matmul_dtype`` (the rows
         ``linear_panels`` takes still come back float32)."""
-        if self.kernels is not None and x.shape[0] <= self.rows_max and x.is_contiguous():
+        rows = x.shape[0]
+        if self.kernels is not None and rows <= self.rows_max and x.is_contiguous():
             x = x.float()  # a rounded x widens exactly
-            return self.kernels.linear_panels(x, self.panels, self.bias, self.out_features)
+            coded = self.codes is not None and rows <= CODES_ROWS_MAX
+            panels = self.codes if coded else self.panels
+            return self.kernels.linear_panels(x, panels, self.bias, self.out_features)
         if self.pack is not None:
             low = self.matmul_dtype  # set: the pack's dtype, which the input takes too
             xin = x if low is None else x.to(low)
@@ -139,6 +156,9 @@ def make_linear(
 ) -> Linear:
     """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None.
 
+    With ``ops``, a float32 weight with exact low-bit codes (``weight_codes.find_codes``)
+    gets code panels too, unless ``KVTIER_WEIGHT_CODES=0``.
+
     ``matmul_dtype`` (``bfloat16``): keep the weight in that dtype (half the bytes a step
     reads) and multiply on oneDNN (input rounded too, float32 accumulation; twice the FMA
     rate where the CPU has AVX-512 BF16) or, for few rows, ``linear_panels`` (float32
@@ -154,7 +174,11 @@ def make_linear(
             bias = None if bias is None else bias.detach().to(low)
     pack = pack if pack is not None else _onednn_pack(weight)
     panels = ops.pack_panels(weight) if ops is not None and weight.device.type == "cpu" else None
+    found = find_codes(weight) if panels is not None and weight_codes_on() else None
+    codes = pack_code_panels(found) if found is not None else None
     out_features, in_features = weight.shape
     kernels = ops if panels is not None else None
     plain = weight if pack is None else None  # F.linear's, above ``rows_max`` rows
-    return Linear(plain, bias, pack, out_features, in_features, panels, kernels, matmul_dtype=low)
+    return Linear(
+        plain, bias, pack, out_features, in_features, panels, codes, kernels, matmul_dtype=low
+    )

@@ -50,7 +50,13 @@ from kvtier.engine.decode_path import DecodePath
 from kvtier.engine.greedy_head import ROWS_MAX as GREEDY_ROWS_MAX
 from kvtier.engine.greedy_head import GreedyHead
 from kvtier.engine.layer_weights import decode_arguments, fuse_layer
-from kvtier.engine.linear import MEASURED_ROWS, ROWS_KERNEL_MAX, make_linear, rows_kernel_max
+from kvtier.engine.linear import (
+    CODES_ROWS_MAX,
+    MEASURED_ROWS,
+    ROWS_KERNEL_MAX,
+    make_linear,
+    rows_kernel_max,
+)
 from kvtier.engine.rope import RopeTable
 from kvtier.engine.step_attend import attend_layer
 from kvtier.runtime import DecodeBatch, SequenceKV
@@ -145,6 +151,10 @@ class LlamaModel:
         ]
         # decode_layers' arguments, or None (no kernels, or a model the op cannot run)
         self.decode_weights = decode_arguments(self.layers) if self.ops is not None else None
+        coded = any(x.codes is not None for x in self.layers[0].projections())
+        self.decode_codes = decode_arguments(self.layers, coded=True) if coded else None
+        """``decode_weights`` with code panels where the weights have them, for steps of at
+        most ``CODES_ROWS_MAX`` rows (None: no codes)."""
 
     @staticmethod
     def why_not(model: Any) -> str | None:
@@ -296,7 +306,8 @@ class LlamaModel:
     ) -> None:
         """Every layer of a decode-only step (``_decode_only``) in one ``decode_layers``
         call; ``h`` mutated to the last layer's output."""
-        fused = self.decode_weights
+        coded = self.decode_codes is not None and h.shape[0] <= CODES_ROWS_MAX
+        fused = self.decode_codes if coded else self.decode_weights
         assert fused is not None
         ops.decode_layers(
             h,
@@ -312,6 +323,7 @@ class LlamaModel:
             batch.rows,
             self.num_heads,
             self.num_kv_heads,
+            self.layers[0].down.in_features,
             self.scale,
             self.eps,
         )

@@ -14,8 +14,8 @@
 // h [N, H] (contiguous float32): the residual stream, the embedded tokens on entry and
 // the last layer's output on return (mutated in place). cos/sin [N, D] as rope_ takes
 // them. weights: per layer, in order, input_norm [H], qkv panels, o panels, post_norm [H],
-// gate_up panels, down panels (pack_panels' [P, I, 16] float32, or [P, I / 2, 16, 2]
-// bfloat16 pairs: the MLP's inner width then even, as LlamaModel checks); biases: per
+// gate_up panels, down panels (any form linear_panels takes: pack_panels' float32 or
+// bfloat16 pairs, or weight_codes' code panels); inner: the MLP's width; biases: per
 // layer qkv, o, gate_up, down (each None or [out]). slab, seats, tail_pos, lo, hi, rows as
 // decode_attend takes them (its layer index is the position in the lists; the slab is
 // mutated: each layer's new K/V). Threads: each operator's own (kvtier_pool for up to 64
@@ -38,7 +38,8 @@ void decode_layers(const at::Tensor& h, const at::Tensor& cos, const at::Tensor&
                    at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                    const at::Tensor& slab, const at::Tensor& seats, const at::Tensor& tail_pos,
                    const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& rows,
-                   int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
+                   int64_t num_heads, int64_t num_kv_heads, int64_t inner, double scale,
+                   double eps) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat,
               "decode_layers: h must be a contiguous float32 [N, H]");
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
@@ -72,12 +73,10 @@ void decode_layers(const at::Tensor& h, const at::Tensor& cos, const at::Tensor&
     const at::Tensor o = kvtier_ops::linear_panels(out.view({n, q_width}), weight(layer, 2),
                                                    bias(layer, 1), hidden);
     x = kvtier_ops::add_rms_norm(h, o, weight(layer, 3), eps);
-    const at::Tensor& down_panels = weight(layer, 5);  // bf16: pairs of k (an even I)
-    const int64_t inner = down_panels.size(1) * (down_panels.dim() == 4 ? 2 : 1);
     const at::Tensor gate_up =
         kvtier_ops::linear_panels(x, weight(layer, 4), bias(layer, 2), 2 * inner);
-    const at::Tensor down = kvtier_ops::linear_panels(kvtier_ops::silu_mul(gate_up), down_panels,
-                                                      bias(layer, 3), hidden);
+    const at::Tensor down = kvtier_ops::linear_panels(kvtier_ops::silu_mul(gate_up),
+                                                      weight(layer, 5), bias(layer, 3), hidden);
     if (layer + 1 < layers) {
       x = kvtier_ops::add_rms_norm(h, down, weight(layer + 1, 0), eps);
     } else {
@@ -92,7 +91,7 @@ TORCH_LIBRARY_FRAGMENT(kvtier_cpu, m) {
   m.def(
       "decode_layers(Tensor(a!) h, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, "
       "Tensor(b!) slab, Tensor seats, Tensor tail_pos, Tensor lo, Tensor hi, Tensor rows, "
-      "int num_heads, int num_kv_heads, float scale, float eps) -> ()");
+      "int num_heads, int num_kv_heads, int inner, float scale, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvtier_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

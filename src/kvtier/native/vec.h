@@ -88,6 +88,36 @@ inline vfloat load_i8(const int8_t* p) {
 #endif
 }
 
+// 16 unsigned bytes (at p) widened to float32, exactly.
+inline vfloat load_u8(const uint8_t* p) {
+#ifdef __AVX512F__
+  const __m512 v = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return reinterpret_cast<const vfloat&>(v);
+#else
+  vfloat v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
+// 16 bytes (at p) of two 4-bit codes each, widened to float32 exactly: lo the low nibbles,
+// hi the high ones.
+inline void load_nibbles(const uint8_t* p, vfloat& lo, vfloat& hi) {
+#ifdef __AVX512F__
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 l = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  const __m512 h = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  lo = reinterpret_cast<const vfloat&>(l);
+  hi = reinterpret_cast<const vfloat&>(h);
+#else
+  for (int64_t l = 0; l < kLanes; ++l) {
+    lo[l] = static_cast<float>(p[l] & 15);
+    hi[l] = static_cast<float>(p[l] >> 4);
+  }
+#endif
+}
+
 // Lane by lane the larger of a and b.
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
