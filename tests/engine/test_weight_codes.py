@@ -143,7 +143,7 @@ def test_a_coded_model_gives_transformers_tokens(
     llama = LlamaModel(model)
     linears = [x for layer in llama.layers for x in layer.projections()] + [llama.lm_head]
     assert all(x.codes is not None and x.codes.dtype == torch.uint8 for x in linears)
-    assert llama.decode_codes is not None
+    assert llama.decode_codes is not None and llama.greedy_head is None
     spans = [(0, 3), (3, 2), (5, 3)]  # 8 rows: every projection on the code panels
     ids = torch.tensor([(500 + 13 * i) % 200 for i in range(8)])
     positions = torch.cat([torch.arange(n) for _, n in spans])
