@@ -60,7 +60,7 @@ class Linear:
     panels: torch.Tensor | None = None  # [ceil(out / 16), in, 16]; bf16: [.., ceil(in / 2), 16, 2]
     codes: torch.Tensor | None = None
     """Where the float32 weight has exact low-bit codes (a GGUF model's): its code panels
-    (``weight_codes``; uint8, 6 or 10 bits a weight), which ``linear_panels`` multiplies
+    (``weight_codes``; uint8, 5 or 9 bits a weight), which ``linear_panels`` multiplies
     bit for bit as ``panels``, for up to ``CODES_ROWS_MAX`` rows."""
     kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
     rows_max: int = ROWS_KERNEL_MAX

@@ -9,7 +9,8 @@ and ``m`` the block's float16 scale and minimum) or 8 bits (Q8_0: ``u = q + 128`
 bit for bit (``d * u`` exact in float32, so the sum has one rounding, the same with or
 without an FMA). ``linear_panels`` then widens each weight to that very float32 value and
 multiplies in the float32 panels' order, so its products are bit for bit the float32
-panels' (tested): the same tokens from 6 bits a weight (4-bit codes) instead of 32.
+panels' (tested): the same tokens from 5 bits a weight (4-bit codes, plus ``d`` and ``m`` in
+float16 per 32 weights) instead of 32.
 
 Any other weight (trained in float32, or a quantisation of another form) finds no codes in
 its first rows and keeps its float32 panels; a NaN or an infinity never matches.
@@ -34,8 +35,6 @@ PANEL = 16
 """Outputs per panel (``linear_panels``' vector width)."""
 TILE_PANELS = 3
 """Panels per group: the kernel's work item, one stream of bytes."""
-HEADER_BYTES = 2 * PANEL * 4
-"""A panel's ``d[16]`` and ``m[16]`` at one block, float32."""
 _PROBE_ROWS = 64
 """Rows tried first: a weight without codes is turned away after them."""
 _SLICE_ROWS = 4096
@@ -49,8 +48,8 @@ class WeightCodes:
 
     Attributes:
         bits: 4 or 8, the codes' width.
-        scale: ``[O, B]`` float32, ``B = ceil(I / 32)``.
-        offset: ``[O, B]`` float32.
+        scale: ``[O, B]`` float32, ``B = ceil(I / 32)``; every value a float16 one.
+        offset: ``[O, B]`` float32; every value a float16 one.
         codes: ``[O, 32 B]`` uint8 below ``2 ** bits`` (zero past ``I``).
         in_features: ``I``.
     """
@@ -60,11 +59,6 @@ class WeightCodes:
     offset: torch.Tensor
     codes: torch.Tensor
     in_features: int
-
-    @property
-    def bytes_per_weight(self) -> float:
-        """What the code panels hold per weight: codes plus ``d`` and ``m`` per block."""
-        return self.bits / 8 + 8 / CODE_K
 
 
 _FORMS = ((4, False), (8, True), (8, False))
@@ -106,8 +100,8 @@ def _codes(
     weight: torch.Tensor, bits: int, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(scale, offset, codes) of ``weight`` in one form, or None where any value is not
-    rebuilt exactly. The scale is taken as GGUF's quantisers set it, rounded to float16 (the
-    format stores it so); the check, not the guess, decides."""
+    rebuilt exactly or the offset is no float16. The scale is taken as GGUF's quantisers set
+    it, rounded to float16 (the format stores it so); the check, not the guess, decides."""
     rows, cols = weight.shape
     blocks = -(-cols // CODE_K)
     pad = blocks * CODE_K - cols
@@ -129,6 +123,8 @@ def _codes(
     # == also passes -0 for +0: a zero weight's sign never changes a sum that starts at +0
     if not bool((exact & (product + offset[..., None] == w)).all()):
         return None
+    if not bool((offset.half().float() == offset).all()):  # the panels hold float16
+        return None
     codes_u8 = codes.to(torch.uint8).reshape(rows, blocks * CODE_K)
     if pad:
         codes_u8[:, cols:] = 0
@@ -136,10 +132,10 @@ def _codes(
 
 
 def pack_code_panels(codes: WeightCodes) -> torch.Tensor:
-    """The code panels of ``codes``: uint8 ``[G, B, 3, 128 + 64 bits]`` (``linear_ops.cpp``
+    """The code panels of ``codes``: uint8 ``[G, B, 3, 64 + 64 bits]`` (``linear_ops.cpp``
     has the layout): ``G = ceil(ceil(O / 16) / 3)`` groups of 3 panels of 16 outputs (zero
-    outputs pad the last), per block of 32 inputs each panel's ``d[16]``, ``m[16]`` and
-    codes (4 bits: 16 pairs of inputs a byte per output, the even input low; 8 bits: 32
+    outputs pad the last), per block of 32 inputs each panel's ``d[16]``, ``m[16]`` (float16)
+    and codes (4 bits: 16 pairs of inputs a byte per output, the even input low; 8 bits: 32
     lines of 16 bytes)."""
     out_features, blocks = codes.scale.shape
     group = TILE_PANELS * PANEL
@@ -151,8 +147,8 @@ def pack_code_panels(codes: WeightCodes) -> torch.Tensor:
         full[:out_features] = t
         return full
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:  # [rows, B] float32 -> [G, B, 3, 64] bytes
-        t = padded(t).view(groups, TILE_PANELS, PANEL, blocks).permute(0, 3, 1, 2)
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [rows, B] -> [G, B, 3, 32] float16 bytes
+        t = padded(t.half()).view(groups, TILE_PANELS, PANEL, blocks).permute(0, 3, 1, 2)
         return t.contiguous().view(torch.uint8)
 
     u = padded(codes.codes).view(groups, TILE_PANELS, PANEL, blocks, CODE_K)

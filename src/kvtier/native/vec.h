@@ -88,6 +88,33 @@ inline vfloat load_i8(const int8_t* p) {
 #endif
 }
 
+// An IEEE half's bits widened to float32, exactly (the scalar twin of load_f16).
+inline float half_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  float v;
+  if (exp == 0x1F) {  // inf or NaN
+    const uint32_t bits = sign | 0x7F800000u | (man << 13);
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+  v = exp == 0 ? std::ldexp(static_cast<float>(man), -24)  // subnormal (or zero)
+               : std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+  return sign != 0 ? -v : v;
+}
+
+// 16 IEEE halves (at p) widened to float32, exactly.
+inline vfloat load_f16(const uint16_t* p) {
+#ifdef __AVX512F__
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<const vfloat&>(v);
+#else
+  vfloat v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = half_float(p[l]);
+  return v;
+#endif
+}
+
 // 16 unsigned bytes (at p) widened to float32, exactly.
 inline vfloat load_u8(const uint8_t* p) {
 #ifdef __AVX512F__
