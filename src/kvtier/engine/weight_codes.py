@@ -38,7 +38,7 @@ TILE_PANELS = 3
 _PROBE_ROWS = 64
 """Rows tried first: a weight without codes is turned away after them."""
 _SLICE_ROWS = 4096
-"""Rows checked at a time (bounds the float64 temporaries to ~4 MB a row-slice column)."""
+"""Rows checked at a time (bounds the float32 temporaries of a large head)."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,12 @@ class WeightCodes:
         scale: ``[O, B]`` float32, ``B = ceil(I / 32)``; every value a float16 one.
         offset: ``[O, B]`` float32; every value a float16 one.
         codes: ``[O, 32 B]`` uint8 below ``2 ** bits`` (zero past ``I``).
-        in_features: ``I``.
     """
 
     bits: int
     scale: torch.Tensor
     offset: torch.Tensor
     codes: torch.Tensor
-    in_features: int
 
 
 _FORMS = ((4, False), (8, True), (8, False))
@@ -91,7 +89,6 @@ def find_codes(weight: torch.Tensor) -> WeightCodes | None:
             scale=torch.cat([p[0] for p in found]),
             offset=torch.cat([p[1] for p in found]),
             codes=torch.cat([p[2] for p in found]),
-            in_features=weight.shape[1],
         )
     return None
 
@@ -155,4 +152,4 @@ def pack_code_panels(codes: WeightCodes) -> torch.Tensor:
     if codes.bits == 4:
         u = u[..., 0::2] | (u[..., 1::2] << 4)  # [G, 3, 16, B, 16 pairs]
     body = u.permute(0, 3, 1, 4, 2).reshape(groups, blocks, TILE_PANELS, -1)
-    return torch.cat([lanes(codes.scale), lanes(codes.offset), body], dim=-1).contiguous()
+    return torch.cat([lanes(codes.scale), lanes(codes.offset), body], dim=-1)

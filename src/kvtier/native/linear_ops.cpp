@@ -125,7 +125,7 @@ struct Float32Lines {
 struct Int8Lines {  // a line: 16 outputs' int8 weights at one k (16 bytes)
   using W = int8_t;
   using X = float;
-  static vfloat load_w(const int8_t* p) { return load_i8(p); }
+  static vfloat load_w(const int8_t* p) { return load_bytes(p); }
   static vfloat splat_x(float x) { return splat(x); }
   static vfloat madd(vfloat acc, vfloat w, vfloat x) { return acc + x * w; }
 };
@@ -206,10 +206,11 @@ inline void rows_tile(int64_t rows, const typename L::X* x, int64_t in, int64_t 
   }
 }
 
-// y[r, col + 16 c + l] = park[r][c][l] (times scale, int8 panels' per-output scale) +
-// bias, for the `lanes` outputs a panel holds.
-inline void store_block(const vfloat* park, int64_t rows, int64_t count, float* y,
-                        int64_t out_n, int64_t col, const float* bias, const float* scale) {
+// y[r, col + 16 c + l] = park[r * stride + c][l] (times scale, int8 panels' per-output
+// scale) + bias, for the `lanes` outputs each of the `count` panels holds.
+inline void store_block(const vfloat* park, int64_t stride, int64_t rows, int64_t count,
+                        float* y, int64_t out_n, int64_t col, const float* bias,
+                        const float* scale) {
   for (int64_t c = 0; c < count; ++c) {
     const int64_t first = col + c * kPanel;
     const int64_t lanes = std::min<int64_t>(kPanel, out_n - first);
@@ -221,7 +222,7 @@ inline void store_block(const vfloat* park, int64_t rows, int64_t count, float* 
       for (int64_t l = 0; l < lanes; ++l) s[l] = scale[first + l];
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const vfloat v = (scale != nullptr ? park[r * count + c] * s : park[r * count + c]) + b;
+      const vfloat v = (scale != nullptr ? park[r * stride + c] * s : park[r * stride + c]) + b;
       float* dst = y + r * out_n + first;
       if (lanes == kPanel) {
         store(dst, v);
@@ -281,7 +282,7 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
             }
           }
         }
-        store_block(park, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias, scale);
+        store_block(park, count, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias, scale);
       }
     }
   });
@@ -359,7 +360,7 @@ inline void code_tile(const float* x, int64_t in, const uint8_t* group, vfloat* 
       for (int64_t j = 0; j < n; ++j) {
         vfloat w[kTilePanels];
         for (int c = 0; c < kTilePanels; ++c) {
-          w[c] = d[c] * load_u8(codes + c * Lay::kPanelBytes + j * kPanel) + m[c];
+          w[c] = d[c] * load_bytes(codes + c * Lay::kPanelBytes + j * kPanel) + m[c];
         }
         line(j, w);
       }
@@ -401,11 +402,8 @@ void linear_codes_of(const float* x, const uint8_t* w, const float* bias, float*
       for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
         const int64_t chunk = std::min<int64_t>(kTileRows, rows - r0);
         rows_code_tile<Bits>(chunk, x + r0 * in, in, w + g * group_bytes, park);
-        // the tile parks 3 panels a row; store_block reads `count` a row
-        for (int64_t r = 0; count < kTilePanels && r < chunk; ++r) {
-          for (int64_t c = 0; c < count; ++c) park[r * count + c] = park[r * kTilePanels + c];
-        }
-        store_block(park, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias, nullptr);
+        store_block(park, kTilePanels, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias,
+                    nullptr);
       }
     }
   });

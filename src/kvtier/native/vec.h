@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvtier_vec {
 
@@ -75,11 +76,14 @@ inline vfloat load(const float* p) {
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
-// 16 int8 values (16 bytes at p) widened to float32, exactly.
-inline vfloat load_i8(const int8_t* p) {
+// 16 bytes at p (int8_t or uint8_t) widened to float32, exactly.
+template <typename T>
+inline vfloat load_bytes(const T* p) {
+  static_assert(sizeof(T) == 1, "load_bytes widens bytes");
 #ifdef __AVX512F__
-  const __m512 v = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i i = std::is_signed_v<T> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  const __m512 v = _mm512_cvtepi32_ps(i);
   return reinterpret_cast<const vfloat&>(v);
 #else
   vfloat v;
@@ -111,19 +115,6 @@ inline vfloat load_f16(const uint16_t* p) {
 #else
   vfloat v;
   for (int64_t l = 0; l < kLanes; ++l) v[l] = half_float(p[l]);
-  return v;
-#endif
-}
-
-// 16 unsigned bytes (at p) widened to float32, exactly.
-inline vfloat load_u8(const uint8_t* p) {
-#ifdef __AVX512F__
-  const __m512 v = _mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  return reinterpret_cast<const vfloat&>(v);
-#else
-  vfloat v;
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
   return v;
 #endif
 }
