@@ -1,7 +1,8 @@
 """kvtier's CPU kernels built for a CPU without AVX-512 (x86-64-v3: AVX2 and FMA), as a
 user's older machine builds them with ``-march=native``: they compile, and the projection
-kernel (float32 and bf16 pairs, whose bf16 path then takes two FMAs a pair) and the prefill
-attention give the reference results. The build runs in a subprocess with its own flags
+kernel (float32 and bf16 pairs, whose bf16 path then takes two FMAs a pair; float32 and
+bf16 code panels, widened without AVX-512's unpacks) and the prefill attention give the
+reference results. The build runs in a subprocess with its own flags
 and library folder (about 30 s on 2 cores)."""
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ CHECKS = textwrap.dedent(
         got = ops.linear_panels(x, ops.pack_panels(low), None, 40)
         want = F.linear(x.bfloat16().double(), low.double()).float()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    from kvtier.engine.weight_codes import find_codes, pack_code_panels
+    d = (torch.rand(40, 5, 1, generator=gen) / 50).half().float()  # Q4_1's form
+    m = (-8 * d + torch.randn(40, 5, 1, generator=gen) / 100).half().float()
+    u = torch.randint(0, 16, (40, 5, 32), generator=gen).float()
+    u[..., 0], u[..., 1] = 0, 15  # each block spans its codes
+    w = (d * u + m).reshape(40, 160)[:, :150].contiguous()
+    codes = find_codes(w)
+    assert codes is not None and codes.bits == 4
+    for bf16 in (False, True):
+        panels = pack_code_panels(codes, bf16=bf16)
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, 150, generator=gen)
+            got = ops.linear_panels(x, panels, None, 40)
+            xin = x.bfloat16().double() if bf16 else x.double()
+            want = (xin @ w.double().T).float()
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     q = torch.randn(9, 70, 64, generator=gen)
     k_old, v_old, k_new, v_new = torch.randn(4, 3, 70, 64, generator=gen)
     out = torch.empty(70, 9, 64)

@@ -12,7 +12,7 @@ import torch
 
 from kvtier import native
 from kvtier.engine import Engine, SamplingParams
-from kvtier.engine.linear import MEASURED_ROWS
+from kvtier.engine.linear import CODES_ROWS_MAX, CODES_ROWS_MAX_BF16, MEASURED_ROWS
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner
 from kvtier.engine.weight_codes import CODE_K, find_codes, pack_code_panels
@@ -119,6 +119,54 @@ def test_malformed_code_panels_are_refused() -> None:
         ops.linear_panels(x, coded, None, 48, torch.ones(48))
 
 
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(96, 64), (40, 70), (17, 33), (960, 576)])
+def test_bf16_code_panels_multiply_the_rounded_input_and_the_exact_weight(
+    shape: tuple[int, int], bits: int
+) -> None:
+    """bf16 mode's code panels: x rounded to bf16 times the weight as it is (not rounded),
+    summed in float32: within float32's rounding of the terms the kernel sums (x times
+    ``d * (offset + u)``, at most ``256 d`` plus the weight), at every tile size (4 rows)
+    and past it."""
+    assert ops is not None
+    w = weight(*shape, bits)
+    codes = find_codes(w)
+    assert codes is not None
+    coded = pack_code_panels(codes, bf16=True)
+    assert coded.dtype == torch.uint8 and coded.shape[2:] == (3, 1 + bits, 64)
+    same_bytes = torch.equal(coded.flatten(-2), pack_code_panels(codes))
+    assert same_bytes == (bits == 8)  # 4 bits: the bytes in the unpacks' order
+    scale = codes.scale.double().repeat_interleave(CODE_K, 1)[:, : shape[1]]
+    bias = torch.randn(shape[0])
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        x = torch.randn(rows, shape[1], generator=gen)
+        xr = x.bfloat16().double()
+        for b in (None, bias):
+            got = ops.linear_panels(x, coded, b, shape[0]).double()
+            want = xr @ w.double().T
+            size = xr.abs() @ (w.double().abs() + 256 * scale).T
+            if b is not None:
+                want, size = want + b.double(), size + b.double().abs()
+            assert ((got - want).abs() <= 2e-6 * size + 1e-30).all(), (rows, b is None)
+    rounded = ops.linear_panels(x, ops.pack_panels(w.bfloat16()), None, shape[0]).double()
+    assert not torch.equal(rounded, got)  # the bf16 panels hold the rounded weight
+
+
+@needs_kernels
+def test_malformed_bf16_code_panels_are_refused() -> None:
+    assert ops is not None
+    codes = find_codes(weight(48, 64, 4))
+    assert codes is not None
+    coded = pack_code_panels(codes, bf16=True)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="bf16 code panels must be"):
+        ops.linear_panels(x, coded[..., :-1, :].contiguous(), None, 48)
+    with pytest.raises(RuntimeError, match="must match x's I"):
+        ops.linear_panels(torch.randn(2, 96), coded, None, 48)
+
+
 def coded_model(tokenizer: Any, seed: int) -> Any:
     """The tiny llama with every projection in Q4_1's values and the embedding (tied head)
     in Q8_0's, as a GGUF file's dequantised weights are."""
@@ -171,3 +219,37 @@ def test_a_coded_model_gives_transformers_tokens(
     assert any(rows > 1 for rows in one_call)
     monkeypatch.setenv("KVTIER_WEIGHT_CODES", "0")
     assert LlamaModel(model).layers[0].qkv.codes is None
+
+
+@needs_kernels
+def test_the_bf16_mode_multiplies_few_rows_on_bf16_code_panels(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bf16 mode a coded model keeps bf16 code panels beside its bf16 panels: decode steps
+    of up to ``CODES_ROWS_MAX_BF16`` rows multiply the exact weights (x rounded), so their
+    log-probabilities stay as close to the float32 engine's as the bf16 panels' do."""
+    model = coded_model(tokenizer, seed=7)
+    MEASURED_ROWS[model] = {torch.get_num_threads(): 64}
+    llama = LlamaModel(model, torch.bfloat16)
+    linears = [x for layer in llama.layers for x in layer.projections()] + [llama.lm_head]
+    assert all(x.codes is not None and x.codes.dim() == 5 for x in linears)
+    assert all(x.panels is not None and x.panels.dtype == torch.bfloat16 for x in linears)
+    assert llama.codes_rows_max == CODES_ROWS_MAX_BF16 and llama.decode_codes is not None
+    one_call = record_one_call_steps(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate((9, 40))]
+    runs = {}
+    for dtype in (None, "bfloat16"):
+        config = dataclasses.replace(engine_config(), runner="kvtier", matmul_dtype=dtype)
+        one_call.clear()
+        with Engine(model, tokenizer, config) as engine:
+            futures = [engine.submit(p, params) for p in prompts]
+            runs[dtype] = [f.result() for f in futures]
+            assert isinstance(engine.runner, LlamaRunner)
+            most = CODES_ROWS_MAX if dtype is None else CODES_ROWS_MAX_BF16
+            assert engine.runner.llama.codes_rows_max == most
+        assert one_call  # decode steps in one call, on the code panels (at most 2 rows)
+    for exact, low in zip(runs[None], runs["bfloat16"], strict=True):
+        first = exact.logprobs[0].logprob, low.logprobs[0].logprob
+        assert abs(first[0] - first[1]) < 0.05
+    assert runs[None][0].token_ids == reference_tokens(model, prompts[0], 8)

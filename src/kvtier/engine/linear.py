@@ -32,6 +32,13 @@ panels against float32 panels: 1 row 8.3 / 8.5 / 8.8 against 18.0 / 18.5 / 18.5 
 (past one 8-row tile the widening is paid per tile, or per line in a buffer, while the
 float32 tiles share one read)."""
 
+CODES_ROWS_MAX_BF16 = 4
+"""Most rows ``Linear`` multiplies on its bf16 code panels (bf16 mode; its bf16 panels
+above). The 121 projections of SmolLM2-135M (2-core AMD EPYC, best of 6 in one process),
+bf16 code panels against bf16 panels: 1 row 5.8 against 9.6 ms, 4 rows 9.3 against 11.7, 8
+rows 13.7 against 12.9, 16 rows 23.4 against 18.7 (a tile takes 4 rows, and each widens the
+codes again)."""
+
 ROWS_MEASURED = (1, 2, 4, 8, 16, 32, 64)
 """The row counts ``rows_kernel_max`` times (a decode batch's sizes)."""
 
@@ -61,7 +68,9 @@ class Linear:
     codes: torch.Tensor | None = None
     """Where the float32 weight has exact low-bit codes (a GGUF model's): its code panels
     (``weight_codes``; uint8, 5 or 9 bits a weight), which ``linear_panels`` multiplies
-    bit for bit as ``panels``, for up to ``CODES_ROWS_MAX`` rows."""
+    bit for bit as the float32 ``panels``, for up to ``CODES_ROWS_MAX`` rows. With
+    ``matmul_dtype`` set: the bf16 code panels, x rounded to bf16 times the exact weight
+    (not the rounded one ``panels`` and ``pack`` hold), for up to ``CODES_ROWS_MAX_BF16``."""
     kernels: Any | None = None  # kvtier's CPU kernels, for up to ``rows_max`` rows
     rows_max: int = ROWS_KERNEL_MAX
     matmul_dtype: torch.dtype | None = None
@@ -70,6 +79,13 @@ class Linear:
     rows; on AMX tiles where the CPU has them) and oneDNN (above) round ``x`` to it and
     accumulate in float32; ``x`` may come already rounded."""
 
+    @property
+    def codes_rows_max(self) -> int:
+        """The most rows ``codes`` take (0 without codes)."""
+        if self.codes is None:
+            return 0
+        return CODES_ROWS_MAX if self.matmul_dtype is None else CODES_ROWS_MAX_BF16
+
     def __call__(self, x: torch.Tensor, low_out: bool = False) -> torch.Tensor:
         """``x [N, in]`` (float32; or ``matmul_dtype`` where it is set) → ``[N, out]``
         float32; with ``low_out``, oneDNN's product stays in ``matmul_dtype`` (the rows
@@ -77,7 +93,7 @@ class Linear:
         rows = x.shape[0]
         if self.kernels is not None and rows <= self.rows_max and x.is_contiguous():
             x = x.float()  # a rounded x widens exactly
-            coded = self.codes is not None and rows <= CODES_ROWS_MAX
+            coded = self.codes is not None and rows <= self.codes_rows_max
             panels = self.codes if coded else self.panels
             return self.kernels.linear_panels(x, panels, self.bias, self.out_features)
         if self.pack is not None:
@@ -157,7 +173,8 @@ def make_linear(
     """The projection of ``weight``; ``ops``: kvtier's CPU kernels (float32 CPU) or None.
 
     With ``ops``, a float32 weight with exact low-bit codes (``weight_codes.find_codes``)
-    gets code panels too, unless ``KVTIER_WEIGHT_CODES=0``.
+    gets code panels too, unless ``KVTIER_WEIGHT_CODES=0``; with ``matmul_dtype`` set, the
+    bf16 code panels (x rounded to bf16 times the exact weight).
 
     ``matmul_dtype`` (``bfloat16``): keep the weight in that dtype (half the bytes a step
     reads) and multiply on oneDNN (input rounded too, float32 accumulation; twice the FMA
@@ -165,6 +182,8 @@ def make_linear(
     input); the plain projection where oneDNN cannot pack.
     """
     weight = weight.detach().contiguous()
+    cpu_ops = ops if weight.device.type == "cpu" else None
+    found = find_codes(weight) if cpu_ops is not None and weight_codes_on() else None
     pack, low = None, None
     if matmul_dtype is not None and matmul_dtype != weight.dtype:
         rounded = weight.to(matmul_dtype)
@@ -173,9 +192,8 @@ def make_linear(
             low, weight = matmul_dtype, rounded
             bias = None if bias is None else bias.detach().to(low)
     pack = pack if pack is not None else _onednn_pack(weight)
-    panels = ops.pack_panels(weight) if ops is not None and weight.device.type == "cpu" else None
-    found = find_codes(weight) if panels is not None and weight_codes_on() else None
-    codes = pack_code_panels(found) if found is not None else None
+    panels = cpu_ops.pack_panels(weight) if cpu_ops is not None else None
+    codes = None if found is None else pack_code_panels(found, bf16=low is not None)
     out_features, in_features = weight.shape
     kernels = ops if panels is not None else None
     plain = weight if pack is None else None  # F.linear's, above ``rows_max`` rows

@@ -51,7 +51,6 @@ from kvtier.engine.greedy_head import ROWS_MAX as GREEDY_ROWS_MAX
 from kvtier.engine.greedy_head import GreedyHead
 from kvtier.engine.layer_weights import decode_arguments, fuse_layer
 from kvtier.engine.linear import (
-    CODES_ROWS_MAX,
     MEASURED_ROWS,
     ROWS_KERNEL_MAX,
     make_linear,
@@ -155,10 +154,13 @@ class LlamaModel:
         ]
         # decode_layers' arguments, or None (no kernels, or a model the op cannot run)
         self.decode_weights = decode_arguments(self.layers) if self.ops is not None else None
-        coded = any(x.codes is not None for x in self.layers[0].projections())
+        self.codes_rows_max = max(x.codes_rows_max for x in self.layers[0].projections())
+        """The most rows a decode step multiplies on code panels (``Linear.codes_rows_max``;
+        0: no codes)."""
+        coded = self.codes_rows_max > 0
         self.decode_codes = decode_arguments(self.layers, coded=True) if coded else None
         """``decode_weights`` with code panels where the weights have them, for steps of at
-        most ``CODES_ROWS_MAX`` rows (None: no codes)."""
+        most ``codes_rows_max`` rows (None: no codes)."""
 
     @staticmethod
     def why_not(model: Any) -> str | None:
@@ -310,7 +312,7 @@ class LlamaModel:
     ) -> None:
         """Every layer of a decode-only step (``_decode_only``) in one ``decode_layers``
         call; ``h`` mutated to the last layer's output."""
-        coded = self.decode_codes is not None and h.shape[0] <= CODES_ROWS_MAX
+        coded = self.decode_codes is not None and h.shape[0] <= self.codes_rows_max
         fused = self.decode_codes if coded else self.decode_weights
         assert fused is not None
         ops.decode_layers(

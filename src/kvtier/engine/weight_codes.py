@@ -12,6 +12,10 @@ multiplies in the float32 panels' order, so its products are bit for bit the flo
 panels' (tested): the same tokens from 5 bits a weight (4-bit codes, plus ``d`` and ``m`` in
 float16 per 32 weights) instead of 32.
 
+kvtier's bf16 mode multiplies the same codes on bf16 code panels (``pack_code_panels(...,
+bf16=True)``): x rounded to bf16, times the exact weight, on vdpbf16ps, where the bf16
+panels would read a weight rounded to bf16 at 16 bits a weight.
+
 Any other weight (trained in float32, or a quantisation of another form) finds no codes in
 its first rows and keeps its float32 panels; a NaN or an infinity never matches.
 
@@ -128,12 +132,17 @@ def _codes(
     return scale, offset, codes_u8
 
 
-def pack_code_panels(codes: WeightCodes) -> torch.Tensor:
+def pack_code_panels(codes: WeightCodes, bf16: bool = False) -> torch.Tensor:
     """The code panels of ``codes``: uint8 ``[G, B, 3, 64 + 64 bits]`` (``linear_ops.cpp``
     has the layout): ``G = ceil(ceil(O / 16) / 3)`` groups of 3 panels of 16 outputs (zero
     outputs pad the last), per block of 32 inputs each panel's ``d[16]``, ``m[16]`` (float16)
     and codes (4 bits: 16 pairs of inputs a byte per output, the even input low; 8 bits: 32
-    lines of 16 bytes)."""
+    lines of 16 bytes).
+
+    With ``bf16``: the bf16 code panels ``linear_panels`` multiplies with x rounded to bf16,
+    ``[G, B, 3, 1 + bits, 64]`` in lines of 64 bytes: the same bytes for 8 bits; for 4 bits
+    each code line holds 8 inputs of the 16 outputs in the order ``linear_ops.cpp``'s two
+    byte unpacks turn into vdpbf16ps pairs."""
     out_features, blocks = codes.scale.shape
     group = TILE_PANELS * PANEL
     groups = -(-out_features // group)
@@ -149,7 +158,15 @@ def pack_code_panels(codes: WeightCodes) -> torch.Tensor:
         return t.contiguous().view(torch.uint8)
 
     u = padded(codes.codes).view(groups, TILE_PANELS, PANEL, blocks, CODE_K)
-    if codes.bits == 4:
-        u = u[..., 0::2] | (u[..., 1::2] << 4)  # [G, 3, 16, B, 16 pairs]
-    body = u.permute(0, 3, 1, 4, 2).reshape(groups, blocks, TILE_PANELS, -1)
-    return torch.cat([lanes(codes.scale), lanes(codes.offset), body], dim=-1)
+    if codes.bits == 4 and bf16:
+        # output 4 q + w, input 8 t + 4 h + 2 g + p -> line t, byte 16 q + 8 g + 2 w + p,
+        # nibble h (h = 1 the high one)
+        u = u.reshape(groups, TILE_PANELS, 4, 4, blocks, CODE_K // 8, 2, 2, 2)
+        u = u.permute(0, 4, 1, 5, 2, 7, 3, 8, 6)  # [G, B, 3, t, q, g, w, p, h]
+        body = (u[..., 0] | (u[..., 1] << 4)).reshape(groups, blocks, TILE_PANELS, -1)
+    else:
+        if codes.bits == 4:
+            u = u[..., 0::2] | (u[..., 1::2] << 4)  # [G, 3, 16, B, 16 pairs]
+        body = u.permute(0, 3, 1, 4, 2).reshape(groups, blocks, TILE_PANELS, -1)
+    panels = torch.cat([lanes(codes.scale), lanes(codes.offset), body], dim=-1)
+    return panels.view(groups, blocks, TILE_PANELS, -1, 64) if bf16 else panels
