@@ -192,6 +192,9 @@ def test_a_coded_model_gives_transformers_tokens(
     linears = [x for layer in llama.layers for x in layer.projections()] + [llama.lm_head]
     assert all(x.codes is not None and x.codes.dtype == torch.uint8 for x in linears)
     assert llama.decode_codes is not None and llama.greedy_head is None
+    n = len(linears)
+    assert f"; {n} of {n} projections read from their exact weight codes (" in llama.codes_line()
+    assert llama.codes_line().endswith(f"up to {CODES_ROWS_MAX} rows")
     spans = [(0, 3), (3, 2), (5, 3)]  # 8 rows: every projection on the code panels
     ids = torch.tensor([(500 + 13 * i) % 200 for i in range(8)])
     positions = torch.cat([torch.arange(n) for _, n in spans])
@@ -218,7 +221,8 @@ def test_a_coded_model_gives_transformers_tokens(
     assert got == [reference_tokens(model, p, 12) for p in prompts]
     assert any(rows > 1 for rows in one_call)
     monkeypatch.setenv("KVTIER_WEIGHT_CODES", "0")
-    assert LlamaModel(model).layers[0].qkv.codes is None
+    plain_model = LlamaModel(model)
+    assert plain_model.layers[0].qkv.codes is None and plain_model.codes_line() == ""
 
 
 @needs_kernels

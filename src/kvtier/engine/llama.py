@@ -162,6 +162,20 @@ class LlamaModel:
         """``decode_weights`` with code panels where the weights have them, for steps of at
         most ``codes_rows_max`` rows (None: no codes)."""
 
+    def codes_line(self) -> str:
+        """The projections multiplied from exact weight codes, for the runner's line (empty
+        where none has them)."""
+        linears = [x for layer in self.layers for x in layer.projections()] + [self.lm_head]
+        coded = [x.codes for x in linears if x.codes is not None]
+        if not coded:
+            return ""
+        mib = sum(c.numel() for c in coded) / 2**20
+        rows = max(x.codes_rows_max for x in linears)
+        return (
+            f"; {len(coded)} of {len(linears)} projections read from their exact weight codes"
+            f" ({mib:.0f} MiB) up to {rows} rows"
+        )
+
     @staticmethod
     def why_not(model: Any) -> str | None:
         """Why this module cannot run ``model`` exactly; None when it can."""

@@ -164,7 +164,7 @@ class LlamaRunner:
         self.device = device
         kernels = native.status().line() if self.llama.ops is not None else "torch's ops"
         low = "" if matmul_dtype is None else f"; projections in {dtype_name(matmul_dtype)}"
-        self.name = f"kvtier (llama family; {kernels}{low})"
+        self.name = f"kvtier (llama family; {kernels}{low}{self.llama.codes_line()})"
 
     def run(self, work: Seq[Piece]) -> Sampled:
         """One forward over every piece's ids; every piece's sequence holds a cache.

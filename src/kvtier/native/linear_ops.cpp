@@ -706,7 +706,7 @@ at::Tensor linear_codes_bf16(const at::Tensor& x, const at::Tensor& panels, cons
                   panels.size(1) == blocks,
               "linear_panels: code panels must match x's I and hold out_features");
   const int64_t width = blocks * kCodeK;
-  at::Tensor xb = at::zeros({rows, width}, x.options().dtype(at::kBFloat16));
+  at::Tensor xb = at::empty({rows, width}, x.options().dtype(at::kBFloat16));
   at::Tensor sums = at::empty({rows, blocks}, x.options());
   auto* xr = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
   const float* xp = x.data_ptr<float>();
@@ -714,6 +714,7 @@ at::Tensor linear_codes_bf16(const at::Tensor& x, const at::Tensor& panels, cons
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* row = xr + r * width;
     round_bf16(xp + r * in, in, row);
+    std::fill(row + in, row + width, uint16_t{0});
     for (int64_t b = 0; b < blocks; ++b) {
       float sum = 0.f;
       for (int64_t k = b * kCodeK; k < (b + 1) * kCodeK; ++k) {
