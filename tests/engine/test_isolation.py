@@ -97,10 +97,15 @@ def test_cancelling_a_running_request_ends_it_within_a_step(model: Any, tokenize
         )
         events = iter(handle)
         next(events)  # running now
-        handle.cancel()
+        # Tokens the engine delivered before the cancel but this thread has not read yet
+        # (a busy machine delays it): counted with the handle's lock held, so no step
+        # delivers one between the count and the cancel.
+        with handle._cond:
+            unread = len(handle._events)
+            handle.cancel()
         rest = list(events)
         assert rest[-1].finish_reason == "cancelled"
-        assert len(rest) <= 2  # at most the token of the step under way, then the end
+        assert len(rest) <= unread + 2  # at most the token of the step under way, the end
         assert engine.stats().requests_cancelled == 1
 
 
