@@ -47,17 +47,21 @@ CHECKS = textwrap.dedent(
     m = (-8 * d + torch.randn(40, 5, 1, generator=gen) / 100).half().float()
     u = torch.randint(0, 16, (40, 5, 32), generator=gen).float()
     u[..., 0], u[..., 1] = 0, 15  # each block spans its codes
-    w = (d * u + m).reshape(40, 160)[:, :150].contiguous()
-    codes = find_codes(w)
-    assert codes is not None and codes.bits == 4
-    for bf16 in (False, True):
-        panels = pack_code_panels(codes, bf16=bf16)
-        for rows in (1, 5, 9):
-            x = torch.randn(rows, 150, generator=gen)
-            got = ops.linear_panels(x, panels, None, 40)
-            xin = x.bfloat16().double() if bf16 else x.double()
-            want = (xin @ w.double().T).float()
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    w4 = (d * u + m).reshape(40, 160)[:, :150].contiguous()
+    q = torch.randint(-127, 128, (40, 5, 32), generator=gen).float()
+    q[..., 0] = 127  # Q8_0's form: each block's largest code 127
+    w8 = (d * q).reshape(40, 160)[:, :150].contiguous()
+    for w, bits in ((w4, 4), (w8, 8)):
+        codes = find_codes(w)
+        assert codes is not None and codes.bits == bits
+        for bf16 in (False, True):
+            panels = pack_code_panels(codes, bf16=bf16)
+            for rows in (1, 5, 9):
+                x = torch.randn(rows, 150, generator=gen)
+                got = ops.linear_panels(x, panels, None, 40)
+                xin = x.bfloat16().double() if bf16 else x.double()
+                want = (xin @ w.double().T).float()
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     q = torch.randn(9, 70, 64, generator=gen)
     k_old, v_old, k_new, v_new = torch.randn(4, 3, 70, 64, generator=gen)
     out = torch.empty(70, 9, 64)

@@ -140,9 +140,9 @@ def pack_code_panels(codes: WeightCodes, bf16: bool = False) -> torch.Tensor:
     lines of 16 bytes).
 
     With ``bf16``: the bf16 code panels ``linear_panels`` multiplies with x rounded to bf16,
-    ``[G, B, 3, 1 + bits, 64]`` in lines of 64 bytes: the same bytes for 8 bits; for 4 bits
-    each code line holds 8 inputs of the 16 outputs in the order ``linear_ops.cpp``'s two
-    byte unpacks turn into vdpbf16ps pairs."""
+    ``[G, B, 3, 1 + bits, 64]`` in lines of 64 bytes, each code line 8 inputs of the 16
+    outputs' 4-bit codes in the order ``linear_ops.cpp``'s two byte unpacks turn into
+    vdpbf16ps pairs (8 bits: the low nibbles' 4 lines, then the high nibbles')."""
     out_features, blocks = codes.scale.shape
     group = TILE_PANELS * PANEL
     groups = -(-out_features // group)
@@ -158,15 +158,23 @@ def pack_code_panels(codes: WeightCodes, bf16: bool = False) -> torch.Tensor:
         return t.contiguous().view(torch.uint8)
 
     u = padded(codes.codes).view(groups, TILE_PANELS, PANEL, blocks, CODE_K)
-    if codes.bits == 4 and bf16:
-        # output 4 q + w, input 8 t + 4 h + 2 g + p -> line t, byte 16 q + 8 g + 2 w + p,
-        # nibble h (h = 1 the high one)
-        u = u.reshape(groups, TILE_PANELS, 4, 4, blocks, CODE_K // 8, 2, 2, 2)
-        u = u.permute(0, 4, 1, 5, 2, 7, 3, 8, 6)  # [G, B, 3, t, q, g, w, p, h]
-        body = (u[..., 0] | (u[..., 1] << 4)).reshape(groups, blocks, TILE_PANELS, -1)
+    if bf16:
+        # 8 bits: the low nibbles' lines, then the high nibbles' (the same order each)
+        planes = [u] if codes.bits == 4 else [u & 15, u >> 4]
+        body = torch.cat([_unpack_order(plane) for plane in planes], dim=-1)
     else:
         if codes.bits == 4:
             u = u[..., 0::2] | (u[..., 1::2] << 4)  # [G, 3, 16, B, 16 pairs]
         body = u.permute(0, 3, 1, 4, 2).reshape(groups, blocks, TILE_PANELS, -1)
     panels = torch.cat([lanes(codes.scale), lanes(codes.offset), body], dim=-1)
     return panels.view(groups, blocks, TILE_PANELS, -1, 64) if bf16 else panels
+
+
+def _unpack_order(u: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[G, 3, 16, B, 32]`` as the bf16 code lines ``[G, B, 3, 256]``: output
+    ``4 q + w`` at input ``8 t + 4 h + 2 g + p`` goes to line ``t``, byte ``16 q + 8 g + 2 w +
+    p``, the high nibble where ``h`` is 1."""
+    groups, panels, _, blocks, _ = u.shape
+    u = u.reshape(groups, panels, 4, 4, blocks, CODE_K // 8, 2, 2, 2)
+    u = u.permute(0, 4, 1, 5, 2, 7, 3, 8, 6)  # [G, B, 3, t, q, g, w, p, h]
+    return (u[..., 0] | (u[..., 1] << 4)).reshape(groups, blocks, panels, -1)

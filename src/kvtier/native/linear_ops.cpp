@@ -56,6 +56,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "amx.h"
 #include "ops.h"
@@ -410,22 +411,24 @@ void linear_codes_of(const float* x, const uint8_t* w, const float* bias, float*
 }
 
 // bf16 code panels: kvtier's bf16 mode (x rounded to bf16) on the same codes, the weight
-// kept exact. vdpbf16ps multiplies bf16 pairs: a 4-bit code u goes in as the bf16 value
-// 128 + u (its bits 0x4300 | u, a byte unpacked beside 0x43: no conversion), an 8-bit one
-// as the bf16 value u (exact: at most 8 significant bits). Per block, acc = sum_k x_k (o +
-// u_k) with o the offset (128 or 0), and the output adds d * acc + (m - o d) * S, S the
-// block's sum of x (rounded x, summed in float32 once per call): d * u + m per weight,
-// with float32 rounding of the sums (the offset's cancellation costs 4 of float32's 24
-// bits here, far below the bf16 input's 9).
+// kept exact. vdpbf16ps multiplies bf16 pairs, and a 4-bit code u goes in as the bf16 value
+// 128 + u: its nibble unpacked beside a 0x43 byte is that bit pattern (no conversion). An
+// 8-bit code goes in as its two nibbles, the low one as 128 + lo and the high one, unpacked
+// beside 0x45, as 2048 + 16 hi: the two add up to 2176 + u in one sum. Per block, acc =
+// sum_k x_k (o + u_k) with o that offset (128 or 2176), and the output adds d * acc + (m - o
+// d) * S, S the block's sum of x (rounded x, summed in float32 once per call): d * u + m per
+// weight, with float32 rounding of the sums (the offset's cancellation costs up to 5 of
+// float32's 24 bits here, far below the bf16 input's 9).
 //
-// Layout, uint8 [G, B, 3, L, 64]: as the float32 code panels (d[16], m[16] first), lines
-// of 64 bytes. 8 bits: L = 9, the same bytes as the float32 order. 4 bits: L = 5, a code
-// line holds 8 values of k for 16 outputs in the order two unpacks want: of byte 16 q + s
-// (q < 4, s < 16), the low nibble is the code of output 4 q + (s % 8) / 2 at k = 8 t +
-// 2 (s >= 8) + s % 2 (t the line), the high nibble the same output's at k + 4. So the
-// low nibbles unpacked (low halves of each 128-bit lane, then high) are pairs (k, k + 1)
-// for k = 8 t and 8 t + 2, the high ones for 8 t + 4 and 8 t + 6: four lines of pairs,
-// lane i output i, the even k in the low half, as vdpbf16ps and fma_pairs take them.
+// Layout, uint8 [G, B, 3, L, 64]: as the float32 code panels (d[16], m[16] first), then
+// lines of 64 bytes, each holding 8 values of k for 16 outputs in the order two unpacks
+// want: of byte 16 q + s (q < 4, s < 16) of line t, the low nibble is the code of output
+// 4 q + (s % 8) / 2 at k = 8 t + 2 (s >= 8) + s % 2, the high nibble the same output's at
+// k + 4. So the low nibbles unpacked (low halves of each 128-bit lane, then high) are pairs
+// (k, k + 1) for k = 8 t and 8 t + 2, the high ones for 8 t + 4 and 8 t + 6: four lines of
+// pairs, lane i output i, the even k in the low half, as vdpbf16ps and fma_pairs take them.
+// 4 bits: L = 5, 4 code lines. 8 bits: L = 9, the low nibbles' 4 lines, then the high
+// nibbles' 4 lines in the same order.
 constexpr int kCodeRowsBf16 = 4;  // rows per tile: 2 x 12 accumulators (block and total)
 // Blocks a tile prefetches ahead (its codes go about 3x as fast as the float32 code
 // tiles' in cache). The 121 projections of SmolLM2-135M at one row (2-core AMD EPYC, best
@@ -433,11 +436,13 @@ constexpr int kCodeRowsBf16 = 4;  // rows per tile: 2 x 12 accumulators (block a
 // process: none 1.05, 2 blocks 0.94, 4 blocks 0.93, 8 blocks 0.88, 16 blocks 0.94.
 constexpr int64_t kCodeAheadBf16 = 8;
 
-// The 4 pair lines of one 4-bit code line (64 bytes at p), each word a bf16 128 + u.
+// The 4 pair lines of one code line (64 bytes at p), each word the bf16 pattern `top` << 8
+// | nibble: 128 + u with top 0x43, 2048 + 16 u with 0x45.
+template <uint8_t Top>
 inline void code_pairs4(const uint8_t* p, vuint out[4]) {
 #if defined(__AVX512BW__)
   const __m512i v = _mm512_loadu_si512(p);
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x43);
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(static_cast<char>(Top));
   const __m512i a = _mm512_and_si512(v, low);
   const __m512i b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
   // (stores, not casts: a vuint read of an __m512i array is an aliasing violation GCC
@@ -451,17 +456,10 @@ inline void code_pairs4(const uint8_t* p, vuint out[4]) {
     for (int64_t i = 0; i < kLanes; ++i) {  // lane i: byte 16 q + 8 (j % 2) + 2 (i % 4)
       const uint8_t* q = p + 16 * (i / 4) + 8 * (j % 2) + 2 * (i % 4);
       const uint32_t even = j < 2 ? q[0] & 15 : q[0] >> 4, odd = j < 2 ? q[1] & 15 : q[1] >> 4;
-      out[j][i] = 0x43004300u | even | (odd << 16);
+      out[j][i] = (Top * 0x01000100u) | even | (odd << 16);
     }
   }
 #endif
-}
-
-// The pair line of an 8-bit code panel at k and k + 1 (16 bytes each at p and p + 16).
-inline vuint code_pairs8(const uint8_t* p) {
-  const vfloat even = load_bytes(p), odd = load_bytes(p + kPanel);
-  return (reinterpret_cast<const vuint&>(even) >> 16) |
-         (reinterpret_cast<const vuint&>(odd) & 0xFFFF0000u);
 }
 
 #ifdef __AVX512BF16__
@@ -477,7 +475,7 @@ inline void code_tile_bf16(const uint32_t* x, const float* sums, int64_t blocks,
                            const uint8_t* group, vfloat* park) {
   using L = CodePairLines;
   using Lay = CodeLayout<Bits>;
-  constexpr float kOffset = Bits == 4 ? 128.f : 0.f;
+  constexpr float kOffset = Bits == 4 ? 128.f : 2176.f;
   const int64_t words = blocks * kCodeK / 2;  // one row of x
   vfloat total[R][kTilePanels] = {};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -491,21 +489,17 @@ inline void code_tile_bf16(const uint32_t* x, const float* sums, int64_t blocks,
       for (int r = 0; r < R; ++r) acc[r][c] = L::madd(acc[r][c], w, L::splat_x(xb[r * words + j]));
     };
     const uint8_t* codes = blk + kCodeHeader;
-    if constexpr (Bits == 4) {
+    auto lines = [&](const uint8_t* first, auto top) {  // 4 code lines: the block's 32 k
       for (int64_t t = 0; t < kCodeK / 8; ++t) {
         for (int c = 0; c < kTilePanels; ++c) {
           vuint w[4];
-          code_pairs4(codes + c * Lay::kPanelBytes + t * 64, w);
+          code_pairs4<decltype(top)::value>(first + c * Lay::kPanelBytes + t * 64, w);
           for (int j = 0; j < 4; ++j) pair(c, 4 * t + j, w[j]);
         }
       }
-    } else {
-      for (int64_t j = 0; j < kCodeK / 2; ++j) {
-        for (int c = 0; c < kTilePanels; ++c) {
-          pair(c, j, code_pairs8(codes + c * Lay::kPanelBytes + 2 * j * kPanel));
-        }
-      }
-    }
+    };
+    lines(codes, std::integral_constant<uint8_t, 0x43>{});
+    if constexpr (Bits == 8) lines(codes + 4 * 64, std::integral_constant<uint8_t, 0x45>{});
     for (int c = 0; c < kTilePanels; ++c) {
       vfloat d, m;
       code_scales<Bits>(blk, c, d, m);
