@@ -15,7 +15,7 @@ from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.linear import CODES_ROWS_MAX, CODES_ROWS_MAX_BF16, MEASURED_ROWS
 from kvtier.engine.llama import LlamaModel
 from kvtier.engine.runner import LlamaRunner
-from kvtier.engine.weight_codes import CODE_K, find_codes, pack_code_panels
+from kvtier.engine.weight_codes import CODE_K, WeightCodes, find_codes, pack_code_panels
 from tests.engine.tiny import (
     engine_config,
     record_one_call_steps,
@@ -54,6 +54,17 @@ def weight(rows: int, cols: int, bits: int, seed: int = 0) -> torch.Tensor:
     return gguf_like(w, bits)
 
 
+def codes_of(w: torch.Tensor) -> WeightCodes:
+    """``w``'s codes, which it must have."""
+    codes = find_codes(w)
+    assert codes is not None
+    return codes
+
+
+PANEL_SHAPES = [(96, 64), (40, 70), (17, 33), (960, 576)]
+"""Weights the kernels multiply: whole and partial groups of panels and blocks of inputs."""
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(96, 64), (40, 70), (17, 33), (200, 576)])
 def test_codes_rebuild_every_weight(shape: tuple[int, int], bits: int) -> None:
@@ -81,7 +92,7 @@ def test_weights_without_exact_codes_keep_float32() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("shape", [(96, 64), (40, 70), (17, 33), (960, 576)])
+@pytest.mark.parametrize("shape", PANEL_SHAPES)
 def test_code_panels_multiply_as_float32_panels_bit_for_bit(
     shape: tuple[int, int], bits: int
 ) -> None:
@@ -89,9 +100,7 @@ def test_code_panels_multiply_as_float32_panels_bit_for_bit(
     widened lines in turns above, more than one 64-row chunk), with and without bias."""
     assert ops is not None
     w = weight(*shape, bits)
-    codes = find_codes(w)
-    assert codes is not None
-    coded, plain = pack_code_panels(codes), ops.pack_panels(w)
+    coded, plain = pack_code_panels(codes_of(w)), ops.pack_panels(w)
     assert coded.dtype == torch.uint8
     bias = torch.randn(shape[0])
     gen = torch.Generator().manual_seed(1)
@@ -106,10 +115,7 @@ def test_code_panels_multiply_as_float32_panels_bit_for_bit(
 @needs_kernels
 def test_malformed_code_panels_are_refused() -> None:
     assert ops is not None
-    w = weight(48, 64, 4)
-    codes = find_codes(w)
-    assert codes is not None
-    coded = pack_code_panels(codes)
+    coded = pack_code_panels(codes_of(weight(48, 64, 4)))
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="code panels must be"):
         ops.linear_panels(x, coded[..., :-1].contiguous(), None, 48)
@@ -121,7 +127,7 @@ def test_malformed_code_panels_are_refused() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("shape", [(96, 64), (40, 70), (17, 33), (960, 576)])
+@pytest.mark.parametrize("shape", PANEL_SHAPES)
 def test_bf16_code_panels_multiply_the_rounded_input_and_the_exact_weight(
     shape: tuple[int, int], bits: int
 ) -> None:
@@ -131,8 +137,7 @@ def test_bf16_code_panels_multiply_the_rounded_input_and_the_exact_weight(
     (4 rows) and past it."""
     assert ops is not None
     w = weight(*shape, bits)
-    codes = find_codes(w)
-    assert codes is not None
+    codes = codes_of(w)
     coded = pack_code_panels(codes, bf16=True)
     assert coded.dtype == torch.uint8 and coded.shape[2:] == (3, 1 + bits, 64)
     assert not torch.equal(coded.flatten(-2), pack_code_panels(codes))  # the unpacks' order
@@ -157,9 +162,7 @@ def test_bf16_code_panels_multiply_the_rounded_input_and_the_exact_weight(
 @needs_kernels
 def test_malformed_bf16_code_panels_are_refused() -> None:
     assert ops is not None
-    codes = find_codes(weight(48, 64, 4))
-    assert codes is not None
-    coded = pack_code_panels(codes, bf16=True)
+    coded = pack_code_panels(codes_of(weight(48, 64, 4)), bf16=True)
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="bf16 code panels must be"):
         ops.linear_panels(x, coded[..., :-1, :].contiguous(), None, 48)

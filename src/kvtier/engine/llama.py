@@ -50,12 +50,7 @@ from kvtier.engine.decode_path import DecodePath
 from kvtier.engine.greedy_head import ROWS_MAX as GREEDY_ROWS_MAX
 from kvtier.engine.greedy_head import GreedyHead
 from kvtier.engine.layer_weights import decode_arguments, fuse_layer
-from kvtier.engine.linear import (
-    MEASURED_ROWS,
-    ROWS_KERNEL_MAX,
-    make_linear,
-    rows_kernel_max,
-)
+from kvtier.engine.linear import MEASURED_ROWS, ROWS_KERNEL_MAX, make_linear, rows_kernel_max
 from kvtier.engine.rope import RopeTable
 from kvtier.engine.step_attend import attend_layer
 from kvtier.runtime import DecodeBatch, SequenceKV

@@ -387,27 +387,40 @@ inline void rows_code_tile(int64_t rows, const float* x, int64_t in, const uint8
   }
 }
 
+// The loop both code-panel products share: each group of 3 panels (a work item of
+// kvtier_pool), for each TileRows rows of x in turn, `tile(group, first row, rows, park)`
+// leaves the rows' totals for the 3 panels in park ([rows][3] vectors), which go to y plus
+// bias.
+template <int TileRows, typename Tile>
+void code_groups(int64_t rows, int64_t panels, int64_t out_n, const float* bias, float* y,
+                 const Tile& tile) {
+  const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
+  kvtier_pool::parallel_for_rows(rows, 0, groups, 1, [=](int64_t begin, int64_t end) {
+    vfloat park[TileRows * kTilePanels];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p = g * kTilePanels;
+      const int64_t count = std::min<int64_t>(kTilePanels, panels - p);
+      for (int64_t r0 = 0; r0 < rows; r0 += TileRows) {
+        const int64_t chunk = std::min<int64_t>(TileRows, rows - r0);
+        tile(g, r0, chunk, park);
+        store_block(park, kTilePanels, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias,
+                    nullptr);
+      }
+    }
+  });
+}
+
 // y = x W^T + b on code panels: every 8 rows widen the weights in registers (one pass over
 // the codes each). The runner gives them at most 8 rows (Linear): past that the float32
 // panels' tiles, which take turns over one read of the weights, measured faster.
 template <int Bits>
 void linear_codes_of(const float* x, const uint8_t* w, const float* bias, float* y, int64_t rows,
                      int64_t in, int64_t out_n, int64_t panels) {
-  const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
   const int64_t group_bytes = (in + kCodeK - 1) / kCodeK * CodeLayout<Bits>::kGroupBytes;
-  kvtier_pool::parallel_for_rows(rows, 0, groups, 1, [=](int64_t begin, int64_t end) {
-    vfloat park[kTileRows * kTilePanels];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p = g * kTilePanels;
-      const int64_t count = std::min<int64_t>(kTilePanels, panels - p);
-      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-        const int64_t chunk = std::min<int64_t>(kTileRows, rows - r0);
-        rows_code_tile<Bits>(chunk, x + r0 * in, in, w + g * group_bytes, park);
-        store_block(park, kTilePanels, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias,
-                    nullptr);
-      }
-    }
-  });
+  code_groups<kTileRows>(rows, panels, out_n, bias, y,
+                         [=](int64_t g, int64_t r0, int64_t n, vfloat* park) {
+                           rows_code_tile<Bits>(n, x + r0 * in, in, w + g * group_bytes, park);
+                         });
 }
 
 // bf16 code panels: kvtier's bf16 mode (x rounded to bf16) on the same codes, the weight
@@ -531,23 +544,13 @@ template <int Bits>
 void linear_codes_bf16_of(const uint32_t* x, const float* sums, const uint8_t* w,
                           const float* bias, float* y, int64_t rows, int64_t blocks,
                           int64_t out_n, int64_t panels) {
-  const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
   const int64_t group_bytes = blocks * CodeLayout<Bits>::kGroupBytes;
   const int64_t words = blocks * kCodeK / 2;
-  kvtier_pool::parallel_for_rows(rows, 0, groups, 1, [=](int64_t begin, int64_t end) {
-    vfloat park[kCodeRowsBf16 * kTilePanels];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p = g * kTilePanels;
-      const int64_t count = std::min<int64_t>(kTilePanels, panels - p);
-      for (int64_t r0 = 0; r0 < rows; r0 += kCodeRowsBf16) {
-        const int64_t chunk = std::min<int64_t>(kCodeRowsBf16, rows - r0);
-        rows_code_tile_bf16<Bits>(chunk, x + r0 * words, sums + r0 * blocks, blocks,
+  code_groups<kCodeRowsBf16>(
+      rows, panels, out_n, bias, y, [=](int64_t g, int64_t r0, int64_t n, vfloat* park) {
+        rows_code_tile_bf16<Bits>(n, x + r0 * words, sums + r0 * blocks, blocks,
                                   w + g * group_bytes, park);
-        store_block(park, kTilePanels, chunk, count, y + r0 * out_n, out_n, p * kPanel, bias,
-                    nullptr);
-      }
-    }
-  });
+      });
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -681,6 +684,20 @@ at::Tensor linear_codes(const at::Tensor& x, const at::Tensor& panels, const at:
   return y;
 }
 
+// x [M, I] (contiguous float32) rounded to bf16 once, each row padded with zeros to
+// `width` values (at least I): the rows the bf16 products read.
+at::Tensor rounded_rows(const at::Tensor& x, int64_t width) {
+  const int64_t rows = x.size(0), in = x.size(1);
+  at::Tensor xb = at::empty({rows, width}, x.options().dtype(at::kBFloat16));
+  auto* xr = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    round_bf16(xp + r * in, in, xr + r * width);
+    std::fill(xr + r * width + in, xr + (r + 1) * width, uint16_t{0});
+  }
+  return xb;
+}
+
 // y = x W^T + b on bf16 code panels (above): x rounded to bf16 once, each row padded to
 // whole blocks (zero), and each block's sum of the rounded x.
 at::Tensor linear_codes_bf16(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& b32,
@@ -699,23 +716,16 @@ at::Tensor linear_codes_bf16(const at::Tensor& x, const at::Tensor& panels, cons
   TORCH_CHECK(out_n > 0 && panels.size(0) == (count + kTilePanels - 1) / kTilePanels &&
                   panels.size(1) == blocks,
               "linear_panels: code panels must match x's I and hold out_features");
-  const int64_t width = blocks * kCodeK;
-  at::Tensor xb = at::empty({rows, width}, x.options().dtype(at::kBFloat16));
+  const at::Tensor xb = rounded_rows(x, blocks * kCodeK);
+  const auto* xr = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   at::Tensor sums = at::empty({rows, blocks}, x.options());
-  auto* xr = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const float* xp = x.data_ptr<float>();
   float* sp = sums.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* row = xr + r * width;
-    round_bf16(xp + r * in, in, row);
-    std::fill(row + in, row + width, uint16_t{0});
-    for (int64_t b = 0; b < blocks; ++b) {
-      float sum = 0.f;
-      for (int64_t k = b * kCodeK; k < (b + 1) * kCodeK; ++k) {
-        sum += bits_float(static_cast<uint32_t>(row[k]) << 16);
-      }
-      sp[r * blocks + b] = sum;
+  for (int64_t i = 0; i < rows * blocks; ++i) {  // row r's block b is i = r * blocks + b
+    float sum = 0.f;
+    for (int64_t k = i * kCodeK; k < (i + 1) * kCodeK; ++k) {
+      sum += bits_float(static_cast<uint32_t>(xr[k]) << 16);
     }
+    sp[i] = sum;
   }
   at::Tensor y = at::empty({rows, out_n}, x.options());
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
@@ -771,12 +781,8 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   const float* xp = x.data_ptr<float>();
   if (pairs) {
     // x rounded to bf16 once, each row padded to the panels' even width (zero past I)
-    at::Tensor xb = at::empty({rows, 2 * lines}, x.options().dtype(at::kBFloat16));
-    auto* xr = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
-    for (int64_t r = 0; r < rows; ++r) {
-      round_bf16(xp + r * in, in, xr + r * 2 * lines);
-      if (in % 2 != 0) xr[r * 2 * lines + in] = 0;
-    }
+    const at::Tensor xb = rounded_rows(x, 2 * lines);
+    const auto* xr = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
     const auto* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr<at::BFloat16>());
     const auto* xw = reinterpret_cast<const uint32_t*>(xr);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
