@@ -12,7 +12,7 @@
 // find the block's panels in L1 instead of a second pass over it. Each k also prefetches
 // the panels kPrefetchK values ahead: the hardware streamer stops at every 4 KiB page (a
 // panel of 576 values spans 9), and a tile busy with FMAs otherwise waits on memory (on
-// Intel; on AMD a lone group does better without, see lone_group_prefetches). Taking
+// Intel; on AMD a lone group asks L2 for its lines further ahead, see lone_group_to_l2). Taking
 // turns, each group instead prefetches its share of the next block while it computes (the
 // later groups' turns had left memory idle): 16 rows, one process against the build before,
 // best (median) of 6 in three sittings: 33.3 (33.6) -> 32.2 (32.5), 26.7 (27.2) -> 22.4
@@ -73,24 +73,33 @@ constexpr int kTilePanels = 3;
 constexpr int64_t kBlockK = 64;    // k values per turn when 8-row groups share a block
 constexpr int64_t kParkRows = 64;  // rows whose accumulators one block parks at a time
 constexpr int64_t kPrefetchK = 16;  // how far ahead (in k) each tile prefetches its panels
+constexpr int64_t kPrefetchL2K = 64;  // how far ahead a lone group on AMD asks L2 for them
 
-// Whether a lone group of at most 8 rows (no turns) prefetches its panels kPrefetchK values
-// ahead. On the Intel Xeon it paid (1 row 18.4 -> 17.0 ms with the turns, above). On AMD
-// (Zen 4) the hardware streamer does better alone: per-step alternation in one engine on
-// the 2-core AMD EPYC, without against with, 1 row float32 16.0 / 16.6 / 21.0 against
-// 16.9 / 17.8 / 21.7 ms, bf16 9.6 / 9.4 / 11.5 against 10.1 / 9.9 / 12.0, 8 rows float32
-// 22.4 / 21.9 against 23.0 / 22.5, bf16 14.0 / 13.8 against 14.9 / 14.4. Taking turns (16
-// rows) the prefetches pay on AMD too: without any, 47.5 / 46.6 / 49.3 against 45.0 / 42.1 /
-// 45.9 ms, so there they stay.
-bool lone_group_prefetches() {
+// How a lone group of at most 8 rows (no turns) prefetches its panels: on the Intel Xeon
+// each line kPrefetchK values of k ahead (into L1), which paid there (1 row 18.4 -> 17.0 ms
+// with the turns, above). On AMD (Zen 4) that did worse than the hardware streamer alone
+// (per-step alternation in one engine on the 2-core AMD EPYC, without against with, 1 row
+// float32 16.0 / 16.6 / 21.0 against 16.9 / 17.8 / 21.7 ms, bf16 9.6 / 9.4 / 11.5 against
+// 10.1 / 9.9 / 12.0, 8 rows float32 22.4 / 21.9 against 23.0 / 22.5, bf16 14.0 / 13.8
+// against 14.9 / 14.4), but asking L2 for each line kPrefetchL2K values ahead (4 KiB a
+// panel; prefetch_l2) beats both: the 121 bf16 projections of SmolLM2-135M (one process,
+// alternating, median of 10 and 12) at 8 rows 13.86 and 15.56 ms without prefetching
+// against 11.62 and 13.28, at 5 rows 12.50 and 12.52 against 10.89 and 11.43, 6 rows
+// 12.64 against 11.33, 2 rows 13.58 against 12.50, one row 10.90 against 10.49 (32 or 96
+// values ahead: within those); float32 at 1, 4 and 8 rows within the noise (21.7 / 17.8 /
+// 18.9 against 20.2 / 18.5 / 18.6). Taking turns (9 rows and more) the prefetches pay on
+// AMD too: without any, 47.5 / 46.6 / 49.3 against 45.0 / 42.1 / 45.9 ms, so there they
+// stay, into L1 (into L2 instead: 16 rows bf16 17.52 against 17.44 ms, float32 25.84
+// against 26.11, 12 rows bf16 15.38 against 14.40, within the noise).
+bool lone_group_to_l2() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool yes = [] {
     __builtin_cpu_init();
-    return !__builtin_cpu_is("amd");
+    return __builtin_cpu_is("amd");
   }();
   return yes;
 #else
-  return true;
+  return false;
 #endif
 }
 
@@ -152,14 +161,16 @@ struct Bf16DotLines {
 // Rows r < R of one 8-row group times C panels, over lines k in [k0, k1) (a line: one k, or
 // one pair of k for bf16 pairs; `in` counts lines, in x's rows too): the R x C accumulators
 // start at zero (fresh) or from `park` ([R][C] vectors) and are parked there again.
-// Prefetches while a tile runs: `ahead`, each panel's line kPrefetchK values of k ahead;
-// and, spread evenly over the tile's k, lines [first, first + count) of the panels at
-// `w` (another block of k, or the next block of panels).
+// Prefetches while a tile runs: `ahead`, each panel's line kPrefetchK values of k ahead
+// (with `to_l2`, kPrefetchL2K values ahead into L2); and, spread evenly over the tile's k,
+// lines [first, first + count) of the panels at `w` (another block of k, or the next block
+// of panels).
 template <typename W>
 struct Prefetch {
   bool ahead;
   const W* w;
   int64_t first, count;
+  bool to_l2 = false;
 };
 
 template <int R, int C, typename L, typename W = typename L::W>
@@ -175,7 +186,9 @@ inline void tile(const typename L::X* x, int64_t in, int64_t k0, int64_t k1, boo
   for (int64_t k = k0; k < k1; ++k) {
     decltype(L::load_w(w)) wv[C];
     for (int c = 0; c < C; ++c) wv[c] = L::load_w(w + c * stride + k * kPanel);
-    if (pf.ahead) {
+    if (pf.ahead && pf.to_l2) {
+      for (int c = 0; c < C; ++c) prefetch_l2(w + c * stride + (k + kPrefetchL2K) * kPanel);
+    } else if (pf.ahead) {
       for (int c = 0; c < C; ++c) prefetch(w + c * stride + (k + kPrefetchK) * kPanel);
     }
     if (pf.count > 0) {
@@ -239,7 +252,7 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
                       int64_t rows, int64_t in, int64_t out_n, int64_t panels,
                       const float* scale = nullptr) {
   const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
-  const bool alone_ahead = lone_group_prefetches();
+  const bool alone_l2 = lone_group_to_l2();
   kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
     vfloat park[kParkRows * kTilePanels];
     for (int64_t b = begin; b < end; ++b) {
@@ -250,9 +263,8 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
         const int64_t chunk = std::min<int64_t>(kParkRows, rows - r0);
         // One 8-row group: all of k in one go. More: the groups take turns every kBlockK
         // values of k, so the block's panels come from memory once and from L1 after.
-        // Prefetching: one group reads kPrefetchK values ahead (where
-        // lone_group_prefetches: not on AMD). Taking turns, the later
-        // groups find the block in L1 and would leave memory idle for their turns, so
+        // Prefetching: one group reads ahead (lone_group_to_l2 says how). Taking turns, the
+        // later groups find the block in L1 and would leave memory idle for their turns, so
         // every group asks for its share of the next block (the next block of panels
         // after the last) while it computes; the first turn also reads ahead.
         const bool turns = chunk > kTileRows;
@@ -267,7 +279,7 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
           for (int64_t r = 0; r < chunk; r += kTileRows) {
             const int64_t n = std::min<int64_t>(kTileRows, chunk - r);
             const int64_t g = r / kTileRows;
-            Prefetch<W> pf{turns ? k0 == 0 && g == 0 : alone_ahead, next_w, 0, 0};
+            Prefetch<W> pf{turns ? k0 == 0 && g == 0 : true, next_w, 0, 0, !turns && alone_l2};
             if (turns && next_w != nullptr) {
               pf.first = next_first + g * next_lines / groups;
               pf.count = next_first + (g + 1) * next_lines / groups - pf.first;
@@ -303,10 +315,13 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
 // of 16 bytes (one per output: the even k in the low nibble); 8 bits, 32 lines of 16 bytes.
 // A group's blocks follow each other: one stream per work item.
 constexpr int64_t kCodeK = 32;
-// How many blocks ahead a lone group prefetches its stream: at one row, the 121 projections
-// of SmolLM2-135M (2-core AMD EPYC, against the float32 panels in the same process) took
-// 0.42 of the float32 panels' time without prefetching, 0.36 two blocks ahead, 0.34 four.
-constexpr int64_t kCodeAhead = 4;
+// How far ahead (bytes) a group prefetches its stream into L2 (prefetch_l2). The 121
+// projections of SmolLM2-135M at one row (2-core AMD EPYC, in one process alternating,
+// median of 12 and 16): 7.41 and 6.72 ms with prefetcht0 4 blocks (3.75 KiB) ahead against
+// 6.66 and 6.25 with prefetcht1 8 KiB ahead; at four rows 21.6 and 21.7 against 10.7 and
+// 10.7. (Earlier, against no prefetching: 0.42 of the float32 panels' time without, 0.36
+// two blocks ahead, 0.34 four, all prefetcht0.)
+constexpr int64_t kCodeAheadBytes = 8 * 1024;
 constexpr int64_t kCodeHeader = 2 * kPanel * static_cast<int64_t>(sizeof(uint16_t));
 
 template <int Bits>
@@ -334,7 +349,7 @@ inline void code_tile(const float* x, int64_t in, const uint8_t* group, vfloat* 
     const uint8_t* blk = group + b * Lay::kGroupBytes;
     const int64_t k0 = b * kCodeK, n = std::min(kCodeK, in - k0);
     for (int64_t l = 0; l < Lay::kGroupBytes; l += 64) {
-      prefetch(blk + kCodeAhead * Lay::kGroupBytes + l);
+      prefetch_l2(blk + kCodeAheadBytes + l);
     }
     vfloat d[kTilePanels], m[kTilePanels];
     for (int c = 0; c < kTilePanels; ++c) code_scales<Bits>(blk, c, d[c], m[c]);
@@ -443,11 +458,15 @@ void linear_codes_of(const float* x, const uint8_t* w, const float* bias, float*
 // 4 bits: L = 5, 4 code lines. 8 bits: L = 9, the low nibbles' 4 lines, then the high
 // nibbles' 4 lines in the same order.
 constexpr int kCodeRowsBf16 = 4;  // rows per tile: 2 x 12 accumulators (block and total)
-// Blocks a tile prefetches ahead (its codes go about 3x as fast as the float32 code
-// tiles' in cache). The 121 projections of SmolLM2-135M at one row (2-core AMD EPYC, best
-// of 6, single runs), as a ratio to the float32 code panels (4 blocks ahead) in the same
-// process: none 1.05, 2 blocks 0.94, 4 blocks 0.93, 8 blocks 0.88, 16 blocks 0.94.
-constexpr int64_t kCodeAheadBf16 = 8;
+// How far ahead (bytes) a tile prefetches its stream into L2 (prefetch_l2; its codes go
+// about 3x as fast as the float32 code tiles' in cache, so the reads, not the widening, set
+// its pace). The 121 projections of SmolLM2-135M (2-core AMD EPYC, one process, the
+// variants alternating, median of 16, two rounds): one row 6.25 and 6.84 ms with
+// prefetcht0 8 blocks (7.5 KiB) ahead, 5.42 and 5.71 with prefetcht1 16 KiB ahead, 5.72 and
+// 5.87 at 30 KiB, 5.59 and 5.61 with prefetcht2 at 30 KiB; two rows 6.34 against 5.62; four
+// rows 7.46 against 7.32. (Earlier, prefetcht0 as a ratio to the float32 code panels: none
+// 1.05, 2 blocks 0.94, 4 blocks 0.93, 8 blocks 0.88, 16 blocks 0.94.)
+constexpr int64_t kCodeAheadBytesBf16 = 16 * 1024;
 
 // The 4 pair lines of one code line (64 bytes at p), each word the bf16 pattern `top` << 8
 // | nibble: 128 + u with top 0x43, 2048 + 16 u with 0x45.
@@ -494,7 +513,7 @@ inline void code_tile_bf16(const uint32_t* x, const float* sums, int64_t blocks,
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * Lay::kGroupBytes;
     for (int64_t l = 0; l < Lay::kGroupBytes; l += 64) {
-      prefetch(blk + kCodeAheadBf16 * Lay::kGroupBytes + l);
+      prefetch_l2(blk + kCodeAheadBytesBf16 + l);
     }
     vfloat acc[R][kTilePanels] = {};
     const uint32_t* xb = x + b * kCodeK / 2;
