@@ -161,16 +161,18 @@ struct Bf16DotLines {
 // Rows r < R of one 8-row group times C panels, over lines k in [k0, k1) (a line: one k, or
 // one pair of k for bf16 pairs; `in` counts lines, in x's rows too): the R x C accumulators
 // start at zero (fresh) or from `park` ([R][C] vectors) and are parked there again.
-// Prefetches while a tile runs: `ahead`, each panel's line kPrefetchK values of k ahead
-// (with `to_l2`, kPrefetchL2K values ahead into L2); and, spread evenly over the tile's k,
-// lines [first, first + count) of the panels at `w` (another block of k, or the next block
-// of panels).
+// How a tile reads its own panels ahead: not at all, each line kPrefetchK values of k ahead
+// into L1, or kPrefetchL2K values ahead into L2.
+enum class Ahead : uint8_t { kNone, kL1, kL2 };
+
+// Prefetches while a tile runs: `ahead`, its own panels' lines (above); and, spread evenly
+// over the tile's k, lines [first, first + count) of the panels at `w` (another block of k,
+// or the next block of panels).
 template <typename W>
 struct Prefetch {
-  bool ahead;
+  Ahead ahead;
   const W* w;
   int64_t first, count;
-  bool to_l2 = false;
 };
 
 template <int R, int C, typename L, typename W = typename L::W>
@@ -186,9 +188,9 @@ inline void tile(const typename L::X* x, int64_t in, int64_t k0, int64_t k1, boo
   for (int64_t k = k0; k < k1; ++k) {
     decltype(L::load_w(w)) wv[C];
     for (int c = 0; c < C; ++c) wv[c] = L::load_w(w + c * stride + k * kPanel);
-    if (pf.ahead && pf.to_l2) {
+    if (pf.ahead == Ahead::kL2) {
       for (int c = 0; c < C; ++c) prefetch_l2(w + c * stride + (k + kPrefetchL2K) * kPanel);
-    } else if (pf.ahead) {
+    } else if (pf.ahead == Ahead::kL1) {
       for (int c = 0; c < C; ++c) prefetch(w + c * stride + (k + kPrefetchK) * kPanel);
     }
     if (pf.count > 0) {
@@ -252,7 +254,7 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
                       int64_t rows, int64_t in, int64_t out_n, int64_t panels,
                       const float* scale = nullptr) {
   const int64_t blocks = (panels + kTilePanels - 1) / kTilePanels;
-  const bool alone_l2 = lone_group_to_l2();
+  const Ahead alone = lone_group_to_l2() ? Ahead::kL2 : Ahead::kL1;
   kvtier_pool::parallel_for_rows(rows, 0, blocks, 1, [=](int64_t begin, int64_t end) {
     vfloat park[kParkRows * kTilePanels];
     for (int64_t b = begin; b < end; ++b) {
@@ -279,7 +281,8 @@ void linear_panels_of(const typename L::X* x, const W* w, const float* bias, flo
           for (int64_t r = 0; r < chunk; r += kTileRows) {
             const int64_t n = std::min<int64_t>(kTileRows, chunk - r);
             const int64_t g = r / kTileRows;
-            Prefetch<W> pf{turns ? k0 == 0 && g == 0 : true, next_w, 0, 0, !turns && alone_l2};
+            const bool first_turn = k0 == 0 && g == 0;
+            Prefetch<W> pf{!turns ? alone : first_turn ? Ahead::kL1 : Ahead::kNone, next_w, 0, 0};
             if (turns && next_w != nullptr) {
               pf.first = next_first + g * next_lines / groups;
               pf.count = next_first + (g + 1) * next_lines / groups - pf.first;
